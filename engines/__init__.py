@@ -1,0 +1,1 @@
+"""verl_moe.engines"""

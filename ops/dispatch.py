@@ -1,0 +1,67 @@
+"""Pick one implementation of an op, loudly.
+
+Each op package (`verl_moe.ops.<op>`) holds `IMPLS = {"torch": "module:function", ...}`,
+imported lazily. The choice is: the explicit `impl` argument (from config), else
+`VERL_MOE_OPS` (`triton`, or per op `gdn=fla,norm=torch`), else the device default
+(cuda/npu -> triton when the op has one, cpu -> torch). An unknown or unrunnable choice
+raises ValueError listing the choices: no silent fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+
+from . import device
+
+logger = logging.getLogger(__name__)
+
+
+def _env_choice(op: str) -> str | None:
+    value = os.environ.get("VERL_MOE_OPS", "").strip()
+    if not value:
+        return None
+    if "=" not in value:
+        return value
+    pairs = dict(item.split("=", 1) for item in value.split(",") if item)
+    return pairs.get(op)
+
+
+def _unrunnable_reason(impl: str) -> str | None:
+    """Why `impl` cannot run in this process, or None when it can."""
+    if impl == "torch":
+        return None
+    if impl == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if not device.is_accelerator() and os.environ.get("TRITON_INTERPRET") != "1":
+            return "no cuda/npu device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
+        return None
+    package = {"fla": "fla", "liger": "liger_kernel"}.get(impl, impl)
+    if importlib.util.find_spec(package) is None:
+        return f"{package} is not installed (pip install 'verl-moe[bench]')"
+    if device.device_type() != "cuda":
+        return f"{impl} runs on cuda only"
+    return None
+
+
+@functools.cache
+def resolve(op: str, impl: str | None = None) -> Callable:
+    """Return the callable implementing `op` (e.g. "gdn", "norm", "logprob")."""
+    impls: dict[str, str] = importlib.import_module(f"verl_moe.ops.{op}").IMPLS
+    name = impl or _env_choice(op)
+    if name is None:
+        name = "triton" if device.is_accelerator() and "triton" in impls else "torch"
+    if name not in impls:
+        raise ValueError(f"op {op!r} has no implementation {name!r}; choices: {sorted(impls)}")
+    reason = _unrunnable_reason(name)
+    if reason is not None:
+        raise ValueError(f"op {op!r} implementation {name!r} cannot run here: {reason}")
+    module_name, _, attr = impls[name].partition(":")
+    fn = getattr(importlib.import_module(module_name), attr)
+    logger.info("verl_moe op %s -> %s (%s)", op, name, impls[name])
+    return fn

@@ -1,0 +1,43 @@
+"""Shared test setup: GPU tests skip without an accelerator; fixed seeds; NaN-poisoned
+`torch.empty` in op tests so tiles a kernel forgets to write show up as NaN."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from verl_moe.ops import device
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def pytest_collection_modifyitems(config, items):
+    if device.is_accelerator():
+        return
+    skip = pytest.mark.skip(
+        reason="needs a cuda/npu device; the same property is tested at small size on CPU"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def nan_poison(monkeypatch):
+    """Make float `torch.empty`/`torch.empty_like` return NaN-filled tensors for this test."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    yield

@@ -1,0 +1,86 @@
+"""Device layer, dispatch and varlen checks."""
+
+import pytest
+import torch
+from verl_moe.ops import device, dispatch
+from verl_moe.ops.testing import assert_rel_rms, rel_rms
+from verl_moe.ops.varlen import check_cu_seqlens, seq_bounds
+
+
+def test_device_answers_are_consistent():
+    kind = device.device_type()
+    assert kind in ("cuda", "npu", "cpu")
+    assert device.dist_backend() == {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[kind]
+    assert device.device_module() is getattr(torch, kind)
+    assert device.current_device().type == kind
+    stats = device.memory_stats()
+    assert set(stats) == {"allocated_gib", "reserved_gib", "max_allocated_gib"}
+
+
+def test_forced_device_rejects_unknown(monkeypatch):
+    device.device_type.cache_clear()
+    monkeypatch.setenv("VERL_MOE_DEVICE", "tpu")
+    try:
+        with pytest.raises(ValueError, match="VERL_MOE_DEVICE"):
+            device.device_type()
+    finally:
+        monkeypatch.delenv("VERL_MOE_DEVICE")
+        device.device_type.cache_clear()
+
+
+def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("VERL_MOE_OPS", raising=False)
+    dispatch.resolve.cache_clear()
+    from verl_moe.ops.gdn.reference import chunk_gated_delta_rule_ref
+
+    if not device.is_accelerator():
+        assert dispatch.resolve("gdn") is chunk_gated_delta_rule_ref
+
+
+def test_dispatch_is_loud(monkeypatch):
+    dispatch.resolve.cache_clear()
+    with pytest.raises(ValueError, match="choices"):
+        dispatch.resolve("gdn", "no-such-impl")
+    with pytest.raises(ModuleNotFoundError):
+        dispatch.resolve("no_such_op")
+    monkeypatch.setenv("VERL_MOE_OPS", "gdn=no-such-impl")
+    dispatch.resolve.cache_clear()
+    with pytest.raises(ValueError, match="no implementation 'no-such-impl'"):
+        dispatch.resolve("gdn")
+    dispatch.resolve.cache_clear()
+
+
+def test_dispatch_refuses_unrunnable_anchor(monkeypatch):
+    if device.device_type() == "cuda":
+        pytest.skip("fla may run on cuda")
+    dispatch.resolve.cache_clear()
+    with pytest.raises(ValueError, match="cannot run here"):
+        dispatch.resolve("gdn", "fla")
+
+
+@pytest.mark.parametrize(
+    "cu, total, message",
+    [
+        ([1, 3], 3, "start at 0"),
+        ([0, 3, 2, 4], 4, "non-decreasing"),
+        ([0, 3], 4, "ends at 3"),
+        ([0.0, 3.0], 3, "int32 or int64"),
+    ],
+)
+def test_bad_cu_seqlens_raise(cu, total, message):
+    with pytest.raises(ValueError, match=message):
+        check_cu_seqlens(torch.tensor(cu), total)
+
+
+def test_seq_bounds():
+    assert seq_bounds(torch.tensor([0, 1, 4]), 4) == [(0, 1), (1, 4)]
+    assert seq_bounds(None, 5) == [(0, 5)]
+
+
+def test_rel_rms_catches_nan_and_error():
+    ref = torch.ones(8)
+    assert rel_rms(ref, ref) == 0.0
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_rel_rms("x", ref, torch.full((8,), float("nan")), 1.0)
+    with pytest.raises(AssertionError, match="rel_rms"):
+        assert_rel_rms("x", ref, ref * 1.1, 1e-3)

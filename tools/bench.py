@@ -1,0 +1,147 @@
+"""`verl-moe bench <op>`: every provider of one op in one process, as ratios.
+
+Each `verl_moe.ops.<op>.bench` module declares CASES, PROVIDERS, REFERENCE, MODES, TOLERANCE
+and the functions `unavailable`, `make_inputs`, `run` (see STYLE.md §11). Per case and mode:
+untimed warm-up (compile, autotune), a correctness check of every provider against REFERENCE,
+then the median time and the peak memory above the inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..ops import device
+from ..ops.testing import rel_rms
+from .report import environment, render_table
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    op: str
+    cases: tuple[str, ...] = ()  # case ids to run; empty = all
+    providers: tuple[str, ...] = ()  # empty = all the module declares
+    modes: tuple[str, ...] = ()  # empty = the module's MODES
+    warmup: int = 2
+    reps: int = 10
+    json_path: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _time_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        device.synchronize()
+        start = time.perf_counter()
+        fn()
+        device.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_extra_gib(fn) -> float:
+    """Peak memory allocated during one call, above what was allocated before it (accelerators only)."""
+    if not device.is_accelerator():
+        return float("nan")
+    device.synchronize()
+    device.empty_cache()
+    before = device.device_module().memory_allocated()
+    device.reset_peak_memory_stats()
+    fn()
+    device.synchronize()
+    return (device.max_memory_allocated() - before) / 1024**3
+
+
+def _check(ref_out: list, out: list) -> float:
+    if len(out) == 0 or len(ref_out) == 0:
+        return float("nan")
+    return max(rel_rms(r, o) for r, o in zip(ref_out, out) if r is not None and o is not None)
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Run the benchmark of `cfg.op`; returns the report dict (also written to cfg.json_path)."""
+    bench = importlib.import_module(f"verl_moe.ops.{cfg.op}.bench")
+    dev = device.current_device()
+    providers = cfg.providers or tuple(bench.PROVIDERS)
+    unknown = set(providers) - set(bench.PROVIDERS)
+    if unknown:
+        raise ValueError(f"unknown providers {sorted(unknown)} for op {cfg.op}; choices: {bench.PROVIDERS}")
+    cases = [c for c in bench.CASES if not cfg.cases or c["id"] in cfg.cases]
+    if not cases:
+        raise ValueError(f"no case matches {cfg.cases}; cases: {[c['id'] for c in bench.CASES]}")
+    rows, skipped = [], {}
+    for p in providers:
+        reason = bench.unavailable(p)
+        if reason:
+            skipped[p] = reason
+    active = [p for p in providers if p not in skipped]
+    for case in cases:
+        for mode in cfg.modes or bench.MODES:
+            inputs = bench.make_inputs(case, dev)
+            ref_out = None
+            if case.get("check", True) and bench.REFERENCE not in skipped:
+                ref_out = [
+                    t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)
+                ]
+            timings = {}
+            for p in active:
+                call = functools.partial(bench.run, p, inputs, mode)
+                for _ in range(cfg.warmup):
+                    out = call()
+                err = _check(ref_out, out) if ref_out is not None else float("nan")
+                ok = err != err or err <= bench.TOLERANCE.get(p, 0.0)
+                del out
+                ms = _time_ms(call, cfg.reps)
+                mem = _peak_extra_gib(call)
+                timings[p] = ms
+                rows.append(
+                    {
+                        "case": case["id"],
+                        "mode": mode,
+                        "provider": p,
+                        "ms": ms,
+                        "peak_extra_gib": mem,
+                        "rel_rms_vs_ref": err,
+                        "check_ok": ok,
+                    }
+                )
+            ours = active[0] if active else None
+            for row in rows:
+                if row["case"] == case["id"] and row["mode"] == mode and ours in timings:
+                    row[f"ratio_{ours}_over_this"] = timings[ours] / row["ms"]
+            del inputs
+            device.empty_cache()
+    report = {
+        "schema": 1,
+        "tool": "bench",
+        "op": cfg.op,
+        "argv": sys.argv,
+        **environment(),
+        "skipped_providers": skipped,
+        "rows": rows,
+    }
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def print_report(report: dict) -> None:
+    columns = ["case", "mode", "provider", "ms", "peak_extra_gib", "rel_rms_vs_ref", "check_ok"]
+    ratio = [k for k in (report["rows"][0] if report["rows"] else {}) if k.startswith("ratio_")]
+    render_table(f"verl-moe bench {report['op']} on {report['device_name']}", columns + ratio, report["rows"])
+    for p, why in report["skipped_providers"].items():
+        print(f"skipped provider {p}: {why}")
+
+
+if __name__ == "__main__":  # python -m verl_moe.tools.bench <op> [--json PATH]
+    args = sys.argv[1:]
+    json_path = args[args.index("--json") + 1] if "--json" in args else None
+    rep = run(BenchConfig(op=args[0], json_path=json_path))
+    print_report(rep)
+    sys.exit(0 if all(r["check_ok"] for r in rep["rows"]) else 1)

@@ -1,0 +1,76 @@
+"""What every tool report carries (versions, device, git sha) and the rich table renderer."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from ..ops import device
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment() -> dict:
+    kind = device.device_type()
+    name = platform.processor() or "cpu"
+    if kind != "cpu":
+        name = device.device_module().get_device_name()
+    versions = {
+        d: _version(d)
+        for d in (
+            "verl-moe",
+            "verl",
+            "transformers",
+            "triton",
+            "fla-core",
+            "liger-kernel",
+            "veomni",
+            "megatron-core",
+        )
+    }
+    versions["torch"] = torch.__version__
+    versions["python"] = platform.python_version()
+    return {"device": kind, "device_name": name, "versions": versions, "git_sha": git_sha()}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_table(title: str, columns: list[str], rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for row in rows:
+        table.add_row(*(_fmt(row.get(c, "")) for c in columns))
+    Console().print(table)
