@@ -13,11 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
-        check=True,
-        capture_output=True,
-    )
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*cmd, "-w", str(out), str(ROOT)], check=True, capture_output=True)
     (path,) = out.glob("verl_moe-*.whl")
     return path
 
@@ -27,7 +24,8 @@ def test_wheel_layout(wheel):
     for folder in ("engines", "models", "ops", "configs", "tools"):
         assert f"verl_moe/{folder}/__init__.py" in names, folder
     assert "verl_moe/ops/gdn/reference.py" in names
-    assert not any(n.startswith(("tests/", "engines/", "ops/")) for n in names), "folders must live under verl_moe/"
+    stray = [n for n in names if n.startswith(("tests/", "engines/", "ops/"))]
+    assert not stray, f"folders must live under verl_moe/: {stray[:3]}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[verl.plugins]" in text and "verl_moe.engines.plugin" in text
@@ -42,7 +40,7 @@ def test_wheel_imports_outside_the_repo(wheel, tmp_path):
         capture_output=True,
     )
     code = (
-        "import verl_moe, verl_moe.ops, verl_moe.models, verl_moe.engines.plugin, verl_moe.configs, verl_moe.tools;"
-        "import pathlib; assert pathlib.Path(verl_moe.ops.__file__).is_relative_to(pathlib.Path(r'%s'))" % target
+        "import pathlib, verl_moe, verl_moe.ops, verl_moe.models, verl_moe.engines.plugin, verl_moe.configs, "
+        f"verl_moe.tools; assert pathlib.Path(verl_moe.ops.__file__).is_relative_to(pathlib.Path(r'{target}'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={"PYTHONPATH": str(target)})
