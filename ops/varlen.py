@@ -13,9 +13,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")

@@ -15,9 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 def pytest_collection_modifyitems(config, items):
     if device.is_accelerator():
         return
-    skip = pytest.mark.skip(
-        reason="needs a cuda/npu device; the same property is tested at small size on CPU"
-    )
+    skip = pytest.mark.skip(reason="needs a cuda/npu device; the same property is tested at small size on CPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

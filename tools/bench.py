@@ -85,9 +85,7 @@ def run(cfg: BenchConfig) -> dict:
             inputs = bench.make_inputs(case, dev)
             ref_out = None
             if case.get("check", True) and bench.REFERENCE not in skipped:
-                ref_out = [
-                    t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)
-                ]
+                ref_out = [t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)]
             timings = {}
             for p in active:
                 call = functools.partial(bench.run, p, inputs, mode)

@@ -48,9 +48,7 @@ def check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if initial_state is not None:
         expected = (num_seqs, HV, q.shape[-1], v.shape[-1])
         if tuple(initial_state.shape) != expected:
-            raise ValueError(
-                f"initial_state must be [N, HV, K, V] = {expected}, got {tuple(initial_state.shape)}"
-            )
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {expected}, got {tuple(initial_state.shape)}")
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -128,11 +126,7 @@ def _chunk_step(q, k, v, g, beta, S, chunk_size=CHUNK_SIZE):
         sol = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
         U, W = sol[..., : vc.shape[-1]], sol[..., vc.shape[-1] :]
         u = U - W @ S  # [HV, C, V]
-        attn = (
-            (qc @ kc.transpose(1, 2))
-            * decay
-            * (strictly_lower | torch.eye(C, dtype=torch.bool, device=q.device))
-        )
+        attn = (qc @ kc.transpose(1, 2)) * decay * (strictly_lower | torch.eye(C, dtype=torch.bool, device=q.device))
         o[s:e] = ((G.exp()[..., None] * qc) @ S + attn @ u).transpose(0, 1)
         G_last = G[:, -1:]
         S = G_last.exp()[..., None] * S + (kc * (G_last - G).exp()[..., None]).transpose(1, 2) @ u
