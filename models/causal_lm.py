@@ -1,0 +1,213 @@
+"""The decoder shared by Qwen3.5-MoE and Qwen3-MoE, and `build`.
+
+Module tree and parameter names equal transformers' `...ForCausalLM`:
+`model.embed_tokens`, `model.layers.{i}.{input_layernorm, linear_attn | self_attn,
+post_attention_layernorm, mlp}`, `model.norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops import resolve
+from ..ops.rope import rope_cos_sin, rope_inv_freq
+from ..ops.varlen import check_cu_seqlens
+from .arch import ArchConfig
+from .layers import Attention, DenseMLP, MoeBlock, ResolvedOps, RMSNorm
+from .ops_config import OpsConfig
+from .qwen3_5_moe.model import GatedDeltaNet
+from .registry import ModelSpec, get_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MoeModelOutput:
+    """last_hidden_state: [B, T, D] in the model dtype (after the final norm).
+    router_logits: one [B*T, E] tensor (router dtype) per MoE layer, or None when not requested."""
+
+    last_hidden_state: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GatedDeltaNet or attention), then MoE / dense MLP.
+    The unit for fully_shard and activation checkpointing."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.layer_type = arch.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(arch, ops, factory)
+        else:
+            self.self_attn = Attention(arch, ops, factory)
+        if arch.mlp_types[layer_idx] == "moe":
+            self.mlp = MoeBlock(arch, ops, factory)
+        else:
+            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, factory)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+        self.post_attention_layernorm = RMSNorm(
+            arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [B, T, D] -> (hidden [B, T, D], router_logits [B*T, E] or None for a dense layer)."""
+        x = self.input_layernorm(hidden)
+        if self.layer_type == "linear_attention":
+            x = self.linear_attn(x, cu_seqlens)
+        else:
+            x = self.self_attn(x, cos, sin, cu_seqlens)
+        hidden = hidden + x
+        x, router_logits = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + x, router_logits
+
+
+class MoeTextModel(nn.Module):
+    """embed_tokens -> layers -> norm (transformers' `model.` prefix)."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, arch.pad_token_id, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops, factory) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, rotary_dim] in `dtype`; computed in fp32 (fp64 for an fp64 model) each call,
+        so nothing lives in a buffer that meta-device init or sharding would have to handle."""
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        a = self.arch
+        inv_freq = rope_inv_freq(
+            a.head_dim, a.rope_theta, a.partial_rotary_factor, dtype=cd, device=position_ids.device
+        )
+        return rope_cos_sin(position_ids, inv_freq, a.mrope_section, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        output_router_logits: bool = False,
+    ) -> MoeModelOutput:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        router_logits = []
+        for layer in self.layers:
+            hidden, logits = layer(hidden, cos, sin, cu_seqlens)
+            if output_router_logits and logits is not None:
+                router_logits.append(logits)
+        return MoeModelOutput(self.norm(hidden), tuple(router_logits) if output_router_logits else None)
+
+
+class MoeCausalLM(nn.Module):
+    """Qwen3.5-MoE / Qwen3-MoE causal LM on verl_moe ops.
+
+    forward(input_ids [B, T] long, position_ids [B, T] or [3, B, T] (mRoPE models) long,
+    cu_seqlens [N+1] int or None, output_router_logits=False) -> MoeModelOutput. Packed input is
+    B == 1 with cu_seqlens (position ids restart per sequence); without cu_seqlens each row is
+    one sequence. Logits are computed only on request: `model.logits(hidden)`.
+    """
+
+    def __init__(self, hf_config, spec: ModelSpec, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.config, self.spec, self.arch = hf_config, spec, arch
+        self.model = MoeTextModel(arch, ops, factory)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        output_router_logits: bool = False,
+    ) -> MoeModelOutput:
+        self.check_inputs(input_ids, position_ids, cu_seqlens)
+        return self.model(input_ids, position_ids, cu_seqlens, output_router_logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> logits [..., VOCAB] in the model dtype."""
+        return self.lm_head(hidden)
+
+    def check_inputs(self, input_ids, position_ids, cu_seqlens) -> None:
+        """Raise ValueError on inputs the forward cannot take, before any compute."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be [B, T] int, got {tuple(input_ids.shape)} {input_ids.dtype}")
+        B, T = input_ids.shape
+        if position_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"position_ids must be int32/int64, got {position_ids.dtype}")
+        shapes = [(B, T)] + ([(3, B, T)] if self.arch.mrope_section is not None else [])
+        if tuple(position_ids.shape) not in shapes:
+            raise ValueError(
+                f"position_ids must have shape {' or '.join(map(str, shapes))}, got {tuple(position_ids.shape)}"
+            )
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"packed input (cu_seqlens) needs B == 1, got B={B}")
+            check_cu_seqlens(cu_seqlens, T)
+
+
+def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:
+    """Resolve every op the architecture needs, once (dispatch logs each choice)."""
+    linear = "linear_attention" in arch.layer_types
+    return ResolvedOps(
+        norm=resolve("norm", ops.impl("norm")),
+        rope=resolve("rope", ops.impl("rope")),
+        attention=resolve("attention", ops.impl("attention")),
+        router=resolve("router"),
+        experts=resolve("experts", ops.impl("experts")),
+        router_dtype=ops.router_torch_dtype(dtype),
+        gdn=resolve("gdn", ops.impl("gdn")) if linear else None,
+        conv1d=resolve("conv1d", ops.impl("conv1d")) if linear else None,
+    )
+
+
+def init_weights(model: MoeCausalLM) -> None:
+    """transformers-like init: normal(0, initializer_range) for projections, embeddings, router and
+    experts; zero biases; norms and GatedDeltaNet gates keep their own reset."""
+    std = model.arch.initializer_range
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d):
+                nn.init.normal_(module.weight, 0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, MoeBlock):
+                nn.init.normal_(module.gate.weight, 0.0, std)
+                nn.init.normal_(module.experts.gate_up_proj, 0.0, std)
+                nn.init.normal_(module.experts.down_proj, 0.0, std)
+        # After the loop: a tied lm_head (visited last) re-initialises the shared embedding.
+        embed = model.model.embed_tokens
+        if embed.padding_idx is not None:
+            embed.weight[embed.padding_idx].zero_()
+
+
+def build(
+    hf_config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", ops: OpsConfig | None = None
+) -> MoeCausalLM:
+    """A freshly initialised MoeCausalLM for an HF config.
+
+    Args:
+        hf_config: a transformers config of a supported model_type (`qwen3_5_moe_text`,
+            `qwen3_5_moe` (its text part), `qwen3_moe`).
+        dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
+        ops: implementation choices; default OpsConfig() (auto everywhere, fp32 router).
+    Raises:
+        ValueError: unsupported model_type, invalid or unsupported config, unknown op implementation.
+    """
+    spec = get_spec(hf_config.model_type)
+    text_config = spec.text_config(hf_config)
+    arch = spec.arch_config(text_config)
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be floating point, got {dtype}")
+    resolved = resolve_ops(ops or OpsConfig(), arch, dtype)
+    model = MoeCausalLM(text_config, spec, arch, resolved, {"dtype": dtype, "device": torch.device(device)})
+    init_weights(model)
+    return model

@@ -1,0 +1,162 @@
+"""Modules shared by Qwen3.5-MoE and Qwen3-MoE: norm, full attention, dense MLP, router, experts,
+sparse MoE block. Parameter names and shapes equal transformers' so HF state dicts load strictly.
+
+Every module receives the resolved ops (`ResolvedOps`) at construction and keeps them on the
+instance: no module globals, so two models in one process may use different implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ArchConfig
+
+
+@dataclass(frozen=True)
+class ResolvedOps:
+    """The callables one model instance uses (see `verl_moe.ops.<op>.IMPLS` for their contracts).
+    gdn and conv1d are None for models without linear-attention layers."""
+
+    norm: Callable
+    rope: Callable
+    attention: Callable
+    router: Callable
+    experts: Callable
+    router_dtype: torch.dtype
+    gdn: Callable | None = None
+    conv1d: Callable | None = None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a [D] weight; (1 + weight) when unit_offset (Qwen3.5).
+    With `gate`, returns norm(x) * weight * silu(gate) (plain weight only)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, **factory))
+        self.eps, self.unit_offset, self.ops = eps, unit_offset, ops
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Both conventions start as the identity scale.
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if gate is None:
+            return self.ops.norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+        return self.ops.norm(x, self.weight, self.eps, gate=gate)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+class Attention(nn.Module):
+    """Causal GQA with per-head q/k RMSNorm, (partial) RoPE and, for Qwen3.5, a sigmoid output gate
+    emitted by q_proj (per head: K query features, then K gate features)."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        D, H, HKV, K = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, HKV, K
+        self.output_gate = arch.attn_output_gate
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(D, H * K * (2 if self.output_gate else 1), bias=bias, **factory)
+        self.k_proj = nn.Linear(D, HKV * K, bias=bias, **factory)
+        self.v_proj = nn.Linear(D, HKV * K, bias=bias, **factory)
+        self.o_proj = nn.Linear(H * K, D, bias=bias, **factory)
+        self.q_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+        self.k_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; returns [B, T, D]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, -1)
+        if self.output_gate:
+            q, gate = q.split(self.head_dim, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rope(q, k, cos, sin)
+        o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens)
+        o = o.reshape(B, T, -1)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, factory: dict):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseMLP(MLP):
+    """A dense MLP in the MoE slot (Qwen3-MoE `mlp_only_layers`); returns (out, None) like MoeBlock."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return super().forward(x), None
+
+
+class TopKRouter(nn.Module):
+    """Router weight [E, D] (transformers' `mlp.gate.weight`) and the routing call."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, **factory))
+        self.top_k, self.norm_topk_prob, self.ops = arch.num_experts_per_tok, arch.norm_topk_prob, ops
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden: [N, D] -> logits [N, E], topk_weight [N, TOPK] (router dtype), topk_idx [N, TOPK]."""
+        return self.ops.router(hidden, self.weight, self.top_k, self.norm_topk_prob, dtype=self.ops.router_dtype)
+
+
+class Experts(nn.Module):
+    """Fused expert weights: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I]."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        E, D, I = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D, **factory))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I, **factory))
+        self.ops = ops
+
+    def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        return self.ops.experts(hidden, self.gate_up_proj, self.down_proj, topk_idx, topk_weight)
+
+
+class MoeBlock(nn.Module):
+    """Routed experts plus, when configured, a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.gate = TopKRouter(arch, ops, factory)
+        self.experts = Experts(arch, ops, factory)
+        if arch.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size, factory)
+            self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False, **factory)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (out [B, T, D], router_logits [B*T, E] in the router dtype)."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits, topk_weight, topk_idx = self.gate(flat)
+        out = self.experts(flat, topk_idx, topk_weight)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view_as(x), logits

@@ -1,0 +1,48 @@
+"""`OpsConfig`: which implementation of each op a model uses, decided once at build time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """Implementation per op, and the router's compute dtype.
+
+    Attributes:
+        gdn, norm, rope, conv1d, attention, experts: an implementation name from the op's
+            `IMPLS` (e.g. "torch", "triton", "fla"), or "auto" for `verl_moe.ops.resolve`'s default
+            (VERL_MOE_OPS, else triton on cuda/npu when the op has a kernel, else torch).
+        router_dtype: "fp32" (default), "fp64", or "model". transformers computes the router
+            GEMM in the model dtype (bf16 in training) and only the softmax in fp32; "fp32"
+            computes the GEMM, softmax, top-k and combine weights in fp32, "model" keeps every
+            step in the model dtype.
+    """
+
+    gdn: str = "auto"
+    norm: str = "auto"
+    rope: str = "auto"
+    conv1d: str = "auto"
+    attention: str = "auto"
+    experts: str = "auto"
+    router_dtype: str = "fp32"
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"OpsConfig.{f.name} must be a non-empty string, got {value!r}")
+        if self.router_dtype not in (*ROUTER_DTYPES, "model"):
+            raise ValueError(f"OpsConfig.router_dtype must be one of fp32, fp64, model; got {self.router_dtype!r}")
+
+    def impl(self, op: str) -> str | None:
+        """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto")."""
+        value = getattr(self, op)
+        return None if value == "auto" else value
+
+    def router_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.router_dtype == "model" else ROUTER_DTYPES[self.router_dtype]

@@ -1,0 +1,68 @@
+"""Plain PyTorch RMSNorm references, numerically equal to transformers' Qwen3.5-MoE / Qwen3-MoE norms.
+
+Two weight conventions exist and each rounds at a different point in low precision, so both
+are reproduced exactly:
+
+- unit offset (Qwen3.5): `y = (x_hat * (1 + w)).to(x.dtype)`, everything in fp32 until the end.
+- plain (Qwen3-MoE): `y = w * x_hat.to(x.dtype)`: the normalised input is rounded to x.dtype
+  before the weight multiplies it (transformers' Llama-style order).
+- gated (Qwen3.5 GatedDeltaNet output): `y = ((w * x_hat.to(x.dtype)).float() * silu(gate.float()))
+  .to(x.dtype)`, as `Qwen3_5MoeRMSNormGated` computes it.
+
+x_hat = x * rsqrt(mean(x^2) + eps) is computed in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None) -> None:
+    """Raise ValueError unless x is a float [..., D], weight is [D] and gate (if any) matches x."""
+    if not x.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"rms_norm needs floating point x and weight, got {x.dtype} and {weight.dtype}")
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight must be [D] with D = x.shape[-1]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gated rms_norm: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim, optionally gated by silu(gate) (the dispatched `norm` op).
+
+    Args:
+        x: [..., D] any float dtype.
+        weight: [D]; multiplies as (1 + weight) when unit_offset (Qwen3.5), else as weight.
+        eps: added to mean(x^2).
+        unit_offset: Qwen3.5's (1 + weight) convention; cannot be combined with gate.
+        gate: optional [..., D]; output is multiplied by silu(gate) (Qwen3.5 GatedDeltaNet norm).
+    Returns:
+        [..., D] in x.dtype.
+    Raises:
+        ValueError: shape or dtype mismatch, or unit_offset together with gate.
+    """
+    check_norm_inputs(x, weight, gate)
+    if gate is not None and unit_offset:
+        raise ValueError("gated rms_norm uses the plain weight convention; unit_offset=True is not defined")
+    cd = _compute_dtype(x)
+    xf = x.to(cd)
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x_hat * (1.0 + weight.to(cd))).to(x.dtype)
+    y = weight * x_hat.to(x.dtype)
+    if gate is not None:
+        y = y.to(cd) * F.silu(gate.to(cd))
+    return y.to(x.dtype)

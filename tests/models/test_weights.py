@@ -1,0 +1,140 @@
+"""Checkpoint I/O: safetensors round trips with transformers, per-expert and vision-language layouts,
+sharding, strictness, and the vLLM names for weight sync. Equalities here are bit-exact."""
+
+import json
+
+import pytest
+import torch
+import transformers
+import verl_moe.models as vm
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_5_moe_vl, tiny_qwen3_moe
+
+CONFIGS = {"qwen3_5_moe": tiny_qwen3_5_moe_text, "qwen3_moe": tiny_qwen3_moe}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def saved_keys(folder) -> set:
+    keys = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_save_then_transformers_loads_identical(family, tmp_path):
+    model = vm.build(CONFIGS[family]())
+    randomize_norms(model)
+    vm.save_pretrained(model, tmp_path)
+    keys = saved_keys(tmp_path)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in keys and not any("gate_up_proj" in k for k in keys)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(hf).__name__ == model.spec.hf_causal_lm
+    assert_same_state(hf.state_dict(), model.state_dict())
+    # and back through our loader
+    assert_same_state(vm.from_pretrained(tmp_path).state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_transformers_per_expert_checkpoint_loads_equal(family, tmp_path):
+    import transformers
+
+    config = CONFIGS[family]()
+    hf = getattr(transformers, vm.get_spec(config.model_type).hf_causal_lm)(config)
+    hf.save_pretrained(tmp_path)
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in saved_keys(tmp_path))
+    assert_same_state(vm.from_pretrained(tmp_path).state_dict(), hf.state_dict())
+
+
+def test_sharded_fused_bf16_checkpoint(tmp_path):
+    """Our sharded save with an index; fused experts on disk also load; bf16 casts on load."""
+    model = vm.build(tiny_qwen3_5_moe_text(), dtype=torch.bfloat16)
+    vm.save_pretrained(model, tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert_same_state(vm.from_pretrained(tmp_path / "sharded", dtype=torch.bfloat16).state_dict(), model.state_dict())
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    model.config.save_pretrained(fused)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
+    loaded = vm.from_pretrained(fused)
+    assert loaded.lm_head.weight.dtype == torch.float32
+    assert_same_state(loaded.state_dict(), {k: v.float() for k, v in model.state_dict().items()})
+
+
+def test_vision_language_layout_loads_text_part(tmp_path, caplog):
+    config = tiny_qwen3_5_moe_vl()
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    hf.save_pretrained(tmp_path)
+    assert any(k.startswith("model.visual.") for k in saved_keys(tmp_path))
+    with caplog.at_level("INFO", logger="verl_moe.models.weights"):
+        model = vm.from_pretrained(tmp_path)
+    assert sum("outside the text model" in r.message for r in caplog.records) == 1
+    assert model.config.model_type == "qwen3_5_moe_text"
+    expected = {
+        k.replace("model.language_model.", "model."): v
+        for k, v in hf.state_dict().items()
+        if not k.startswith("model.visual.")
+    }
+    assert_same_state(model.state_dict(), expected)
+
+
+def test_strict_loading(tmp_path):
+    model = vm.build(tiny_qwen3_moe())
+    vm.save_pretrained(model, tmp_path)
+    state = {}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({k: v for k, v in state.items() if k != "model.norm.weight"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        vm.from_pretrained(tmp_path)
+    save_file(
+        {k: v for k, v in state.items() if k != "model.layers.0.mlp.experts.2.up_proj.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="incomplete per-expert"):
+        vm.from_pretrained(tmp_path)
+    state["model.norm.weight"] = torch.ones(3)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        vm.from_pretrained(tmp_path)
+
+
+def test_vllm_names_split_fused_experts():
+    model = vm.build(tiny_qwen3_5_moe_text(tie_word_embeddings=True))
+    named = dict(vm.to_vllm_named_tensors(model))
+    assert "lm_head.weight" not in named  # tied: vLLM ties it itself
+    assert not any("gate_up_proj" in k or k.endswith("experts.down_proj") for k in named)
+    experts = model.model.layers[1].mlp.experts
+    I = model.arch.moe_intermediate_size
+    for e in range(model.arch.num_experts):
+        p = f"model.layers.1.mlp.experts.{e}"
+        assert torch.equal(named[f"{p}.gate_proj.weight"], experts.gate_up_proj[e, :I])
+        assert torch.equal(named[f"{p}.up_proj.weight"], experts.gate_up_proj[e, I:])
+        assert torch.equal(named[f"{p}.down_proj.weight"], experts.down_proj[e])
+    assert named["model.layers.1.mlp.experts.0.gate_proj.weight"].shape == (I, model.arch.hidden_size)
+    # every other tensor passes under its transformers name; VL prefix on request
+    rest = {k: v for k, v in model.state_dict().items() if ".mlp.experts." not in k and k != "lm_head.weight"}
+    assert all(torch.equal(named[k], v) for k, v in rest.items())
+    vl = dict(vm.to_vllm_named_tensors(model.state_dict().items(), language_model_prefix=True))
+    assert "model.language_model.layers.0.linear_attn.A_log" in vl and "lm_head.weight" in vl
+
+
+def test_tied_checkpoint_with_lm_head_copy_loads(tmp_path):
+    model = vm.build(tiny_qwen3_moe(tie_word_embeddings=True))
+    vm.save_pretrained(model, tmp_path)
+    assert "lm_head.weight" not in saved_keys(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = vm.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_same_state(loaded.state_dict(), model.state_dict())
