@@ -3,7 +3,8 @@
 Each op package (`verl_moe.ops.<op>`) holds `IMPLS = {"torch": "module:function", ...}`,
 imported lazily. The choice is: the explicit `impl` argument (from config), else
 `VERL_MOE_OPS` (`triton`, or per op `gdn=fla,norm=torch`), else the device default
-(cuda/npu -> triton when the op has one, cpu -> torch). An unknown or unrunnable choice
+(cuda/npu -> the op's `ACCELERATOR_DEFAULT`, else triton when the op has one;
+cpu -> torch). An unknown or unrunnable choice
 raises ValueError listing the choices: no silent fallback.
 """
 
@@ -20,6 +21,9 @@ from . import device
 
 logger = logging.getLogger(__name__)
 
+# Implementations that come from other projects (the `bench` extra), cuda only.
+ANCHOR_PACKAGES = {"fla": "fla", "liger": "liger_kernel"}
+
 
 def _env_choice(op: str) -> str | None:
     value = os.environ.get("VERL_MOE_OPS", "").strip()
@@ -33,15 +37,15 @@ def _env_choice(op: str) -> str | None:
 
 def _unrunnable_reason(impl: str) -> str | None:
     """Why `impl` cannot run in this process, or None when it can."""
-    if impl == "torch":
-        return None
     if impl == "triton":
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         if not device.is_accelerator() and os.environ.get("TRITON_INTERPRET") != "1":
             return "no cuda/npu device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
         return None
-    package = {"fla": "fla", "liger": "liger_kernel"}.get(impl, impl)
+    package = ANCHOR_PACKAGES.get(impl)
+    if package is None:  # plain PyTorch code of ours: runs anywhere
+        return None
     if importlib.util.find_spec(package) is None:
         return f"{package} is not installed (pip install 'verl-moe[bench]')"
     if device.device_type() != "cuda":
@@ -52,10 +56,13 @@ def _unrunnable_reason(impl: str) -> str | None:
 @functools.cache
 def resolve(op: str, impl: str | None = None) -> Callable:
     """Return the callable implementing `op` (e.g. "gdn", "norm", "logprob")."""
-    impls: dict[str, str] = importlib.import_module(f"verl_moe.ops.{op}").IMPLS
+    package = importlib.import_module(f"verl_moe.ops.{op}")
+    impls: dict[str, str] = package.IMPLS
     name = impl or _env_choice(op)
-    if name is None:
-        name = "triton" if device.is_accelerator() and "triton" in impls else "torch"
+    if name is None and device.is_accelerator():
+        # An op may name its accelerator default (e.g. experts -> "grouped"); else triton when present.
+        name = getattr(package, "ACCELERATOR_DEFAULT", "triton" if "triton" in impls else "torch")
+    name = name or "torch"
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choices: {sorted(impls)}")
     reason = _unrunnable_reason(name)

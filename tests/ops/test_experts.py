@@ -13,10 +13,18 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-from verl_moe.ops.experts import moe_experts
+from verl_moe.ops.dispatch import resolve
 from verl_moe.ops.testing import assert_rel_rms
 
 N, D, E, I, TOPK = 24, 16, 6, 8, 2
+
+# Every test runs on each implementation: the loop reference and the grouped-GEMM path.
+pytestmark = pytest.mark.parametrize("impl", ["torch", "grouped"])
+
+
+@pytest.fixture
+def moe_experts(impl):
+    return resolve("experts", impl)
 
 
 def dense_formula(h, gate_up, down, idx, w):
@@ -39,20 +47,20 @@ def inputs(dtype=torch.float32):
     return h, gate_up, down, idx, w
 
 
-def test_fp32_matches_dense_fp64():
+def test_fp32_matches_dense_fp64(moe_experts):
     h, gu, dn, idx, w = inputs()
     out = moe_experts(h, gu, dn, idx, w)
     assert_rel_rms("out", dense_formula(h, gu, dn, idx, w), out, 1e-6)
 
 
-def test_bf16_weights_fp32_combine():
+def test_bf16_weights_fp32_combine(moe_experts):
     h, gu, dn, idx, w = inputs(torch.bfloat16)
     out = moe_experts(h, gu, dn, idx, w)
     assert out.dtype == torch.bfloat16
     assert_rel_rms("out", dense_formula(h, gu, dn, idx, w), out, 1e-2)
 
 
-def test_gradients_match_fp64():
+def test_gradients_match_fp64(moe_experts):
     h, gu, dn, idx, w = inputs()
     dy = torch.randn(N, D)
     a64 = [t.double().requires_grad_() for t in (h, gu, dn, w)]
@@ -63,7 +71,7 @@ def test_gradients_match_fp64():
         assert_rel_rms(name, r, g, 1e-5)
 
 
-def test_matches_transformers_layout():
+def test_matches_transformers_layout(moe_experts):
     """Same fused parameters give transformers' output: gate rows first, down_proj [E, D, I]."""
     hf = Qwen3MoeExperts(Qwen3MoeConfig(num_experts=E, hidden_size=D, moe_intermediate_size=I))
     h, gu, dn, idx, w = inputs()
@@ -74,7 +82,7 @@ def test_matches_transformers_layout():
     assert_rel_rms("vs transformers", ref, moe_experts(h, gu, dn, idx, w), 1e-6)
 
 
-def test_bad_inputs_raise():
+def test_bad_inputs_raise(moe_experts):
     h, gu, dn, idx, w = inputs()
     with pytest.raises(ValueError, match="share one dtype"):
         moe_experts(h.double(), gu, dn, idx, w)
@@ -84,3 +92,15 @@ def test_bad_inputs_raise():
         moe_experts(h, gu, dn.transpose(1, 2), idx, w)
     with pytest.raises(ValueError, match=r"\[N=24, TOPK\]"):
         moe_experts(h, gu, dn, idx[:-1], w[:-1])
+
+
+def test_idle_experts_and_fp64(moe_experts):
+    """Experts that receive no token, and fp64 (the grouped path's segment loop)."""
+    h, gu, dn, _, w = inputs(torch.float64)
+    idx = torch.stack([torch.tensor([1, 4]) if n % 2 else torch.tensor([4, 1]) for n in range(N)])
+    assert_rel_rms("out", dense_formula(h, gu, dn, idx, w), moe_experts(h, gu, dn, idx, w), 1e-12)
+
+
+def test_bitwise_deterministic(moe_experts):
+    h, gu, dn, idx, w = inputs()
+    assert torch.equal(moe_experts(h, gu, dn, idx, w), moe_experts(h, gu, dn, idx, w))
