@@ -65,7 +65,9 @@ def _check(ref_out: list, out: list) -> float:
 
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark of `cfg.op`; returns the report dict (also written to cfg.json_path)."""
-    bench = importlib.import_module(f"verl_moe.ops.{cfg.op}.bench")
+    # `model` is the end-to-end training step (models/bench.py); every other name is an op folder.
+    module = "verl_moe.models.bench" if cfg.op == "model" else f"verl_moe.ops.{cfg.op}.bench"
+    bench = importlib.import_module(module)
     dev = device.current_device()
     providers = cfg.providers or tuple(bench.PROVIDERS)
     unknown = set(providers) - set(bench.PROVIDERS)
