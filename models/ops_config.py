@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class OpsConfig:
         gdn, norm, rope, conv1d, attention, experts: an implementation name from the op's
             `IMPLS` (e.g. "torch", "triton", "fla"), or "auto" for `verl_moe.ops.resolve`'s default
             (VERL_MOE_OPS, else triton on cuda/npu when the op has a kernel, else torch).
-        router_dtype: "fp32" (default), "fp64", or "model". transformers computes the router
+        router_dtype: "fp32" (default), "fp64", "bf16" (for ablations), or "model". transformers computes the router
             GEMM in the model dtype (bf16 in training) and only the softmax in fp32; "fp32"
             computes the GEMM, softmax, top-k and combine weights in fp32, "model" keeps every
             step in the model dtype.
@@ -37,7 +37,8 @@ class OpsConfig:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"OpsConfig.{f.name} must be a non-empty string, got {value!r}")
         if self.router_dtype not in (*ROUTER_DTYPES, "model"):
-            raise ValueError(f"OpsConfig.router_dtype must be one of fp32, fp64, model; got {self.router_dtype!r}")
+            choices = ", ".join([*ROUTER_DTYPES, "model"])
+            raise ValueError(f"OpsConfig.router_dtype must be one of {choices}; got {self.router_dtype!r}")
 
     def impl(self, op: str) -> str | None:
         """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto")."""

@@ -133,6 +133,6 @@ def test_bad_inputs_raise(pair):
     with pytest.raises(ValueError, match="unknown layer type"):
         vm.build(tiny_qwen3_5_moe_text(layer_types=["linear_attention", "sliding_attention", "full_attention"]))
     with pytest.raises(ValueError, match="router_dtype"):
-        vm.OpsConfig(router_dtype="bf16")
+        vm.OpsConfig(router_dtype="fp8")
     with pytest.raises(ValueError, match="no implementation"):
         vm.build(tiny_qwen3_5_moe_text(), ops=vm.OpsConfig(norm="nonexistent"))
