@@ -1,18 +1,107 @@
-"""verl plugin entry point (`verl.plugins` group): registers verl_moe's engines with verl.
+"""verl plugin entry point (`verl.plugins` group): registers verl_moe with verl, explicitly.
 
-Importing this module must never break verl: failures are logged at WARNING and swallowed.
+verl imports this module during `import verl` (every driver and every Ray worker) and logs a
+failure only at debug level, so every failure here is logged at WARNING, naming what is missing.
+
+How our engines take precedence (README material)
+-------------------------------------------------
+verl keys `EngineRegistry` by (role, backend, device[, vendor]); its built-in FSDP engine sits
+under `("language_model", "fsdp" | "fsdp2", "cuda" | "npu")`, and `register` refuses a key that
+is already taken. `EngineRegistry.get_engine_cls` looks up the vendor-specific key
+`(device, vendor)` *before* the device-only key. We register `MoeEngineDispatch` under
+`("cuda", "nvidia")`, `("npu", "huawei")` and `("cpu", "cpu")` (our cpu platform), so on those
+platforms verl constructs our dispatcher without anything of verl's being replaced (other
+vendors, e.g. ("cuda", "amd"), keep verl's engine). The dispatcher (`engines/dispatch.py`) reads
+`model_config.hf_config.model_type` (not `model_config.model_type`, which verl's TrainingWorker
+overwrites with the role) and builds:
+
+- `MoeFsdp2Engine` when the model type has a spec in `verl_moe.models.registry`;
+- otherwise verl's own engine registered under the device-only key (`FSDPEngineWithLMHead`),
+  with the same arguments, so every other model behaves exactly as without the plugin.
+
+Value models (`value_model` role) and other backends are never touched. `VERL_MOE_OVERRIDE=0`
+skips the engine registration entirely (verl's registry is then exactly verl's). The `cpu`
+platform (`engines/platform.py`) is always registered, but only selected by `VERL_PLATFORM=cpu`.
 """
 
+from __future__ import annotations
+
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
+OVERRIDE_ENV = "VERL_MOE_OVERRIDE"
+# device -> vendor: we only write (device, vendor) keys; verl's device-only keys stay verl's.
+# "cpu" is the vendor of our cpu platform (engines/platform.py).
+REGISTRY_KEYS = {"cuda": "nvidia", "npu": "huawei", "cpu": "cpu"}
+
+# top-level module an import may miss -> the pip extra that provides it
+EXTRAS = {"veomni": "veomni", "torch_npu": "npu", "megatron": "megatron"}
+
+_registered: set[str] = set()
+
+
+def missing_module_hint(exc: ImportError) -> str:
+    """`"missing module 'veomni' (pip install 'verl-moe[veomni]')"`-style text for a WARNING."""
+    root = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(root)
+    hint = f" (pip install 'verl-moe[{extra}]')" if extra else ""
+    return f"missing module {exc.name!r}{hint}"
+
+
+def override_enabled() -> bool:
+    """False when `VERL_MOE_OVERRIDE=0` (or `false`/`off`): verl's engines then serve every model."""
+    value = os.environ.get(OVERRIDE_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{OVERRIDE_ENV}={value!r}: expected 0 or 1")
+    return value in ("1", "true", "on")
+
+
+def register_platform() -> None:
+    """Add the `cpu` platform to verl's platform registry; on `VERL_PLATFORM=cpu` also fix the
+    process-group backend string (see `engines/platform.py`)."""
+    if "platform" in _registered:
+        return
+    from verl.plugin.platform import PlatformRegistry
+    from verl_moe.engines.platform import (
+        PLATFORM_NAME,
+        PlatformCPU,
+        cpu_platform_selected,
+        install_cpu_process_group_fix,
+    )
+
+    PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
+    if cpu_platform_selected():
+        install_cpu_process_group_fix()
+    _registered.add("platform")
+
+
+def register_engines() -> None:
+    """Register `MoeEngineDispatch` for (language_model, fsdp|fsdp2) on cuda/nvidia, npu/huawei, cpu/cpu."""
+    if "engines" in _registered:
+        return
+    if not override_enabled():
+        logger.info("verl_moe: %s=0, verl's engines serve every model", OVERRIDE_ENV)
+        return
+    from verl.workers.engine import EngineRegistry
+    from verl_moe.engines.dispatch import ROLE, SERVED_BACKENDS, MoeEngineDispatch
+
+    for device, vendor in REGISTRY_KEYS.items():
+        register = EngineRegistry.register(model_type=ROLE, backend=list(SERVED_BACKENDS), device=device, vendor=vendor)
+        register(MoeEngineDispatch)
+    _registered.add("engines")
+
 
 def register_all() -> None:
-    """Register our engines with verl's EngineRegistry (filled by the engine modules)."""
+    """Platform first: importing verl's engine package resolves verl's platform once, for good."""
+    register_platform()
+    register_engines()
 
 
 try:
     register_all()
-except Exception as exc:  # verl's loader would hide this at debug level
-    logger.warning("verl_moe: engine registration failed: %s", exc)
+except ImportError as exc:  # verl's loader would hide this at debug level
+    logger.warning("verl_moe: registration skipped, %s; verl's engines are used", missing_module_hint(exc))
+except Exception as exc:
+    logger.warning("verl_moe: registration failed (%s: %s); verl's engines are used", type(exc).__name__, exc)

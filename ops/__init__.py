@@ -5,5 +5,6 @@ are the reference-or-kernel entry points the models and engines call.
 """
 
 from .dispatch import resolve
+from .logprob import logprobs_and_entropy
 
-__all__ = ["resolve"]
+__all__ = ["logprobs_and_entropy", "resolve"]

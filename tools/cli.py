@@ -34,6 +34,70 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command()
+def align(
+    preset: str = typer.Option(
+        "tiny-qwen3.5-moe", help="model + stream preset (tiny-qwen3.5-moe, tiny-qwen3-moe, mid-qwen3-moe)"
+    ),
+    model: str = typer.Option(None, help="local HF folder to align instead of the preset's random weights"),
+    backends: str = typer.Option(
+        "reference,fsdp2",
+        help="comma list; name[:dtype=..][:router=..][:world=..][:cfg.<field>=<json>]; the first is the golden",
+    ),
+    steps: int = typer.Option(5, help="K optimizer steps"),
+    out: str = typer.Option("align_out", help="output folder (report.json, plots, traces)"),
+    router_dtype: str = typer.Option(None, help="router dtype of every non-golden backend: bf16, fp32, fp64"),
+    router_ablation: bool = typer.Option(False, help="run each non-golden backend with a bf16, fp32 and fp64 router"),
+    tol: list[str] = typer.Option([], help="metric=value, overrides the default tolerance (repeatable)"),
+    loss: str = typer.Option("grpo", help="grpo or gspo (verl's ppo_loss)"),
+    seed: int = typer.Option(0, help="seed of the weights and of the batch stream"),
+    batch_dump: str = typer.Option(None, help="verl batch dump to split into K mini-batches instead of the stream"),
+):
+    """Same weights, same RL batches through several backends: table, report.json, plots."""
+    from .align import AlignConfig, print_report, run
+
+    tolerances = []
+    for item in tol:
+        metric, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--tol {item!r}: expected metric=value")
+        tolerances.append((metric, float(value)))
+    report = run(
+        AlignConfig(
+            preset=preset,
+            model=model,
+            backends=tuple(b for b in backends.split(",") if b),
+            steps=steps,
+            out=out,
+            router_dtype=router_dtype,
+            router_ablation=router_ablation,
+            tolerances=tuple(tolerances),
+            loss=loss,
+            seed=seed,
+            batch_dump=batch_dump,
+        )
+    )
+    print_report(report)
+    raise typer.Exit(report["exit_code"])
+
+
+@app.command()
+def curves(
+    runs: list[str] = typer.Argument(
+        ...,
+        help="run logs: a verl .jsonl file or a folder (jsonl / TensorBoard), "
+        "optionally label=path; the first is the baseline",
+    ),
+    metric: list[str] = typer.Option([], help="alias (reward, accuracy, grad_norm, entropy, kl) or logged key"),
+    out: str = typer.Option("curves_out", help="folder for curves.png and curves.json"),
+):
+    """Plot metrics of several verl runs per step side by side, divergence marked."""
+    from .curves import CurvesConfig, print_report, run
+
+    cfg = CurvesConfig(runs=tuple(runs), out=out, **({"metrics": tuple(metric)} if metric else {}))
+    print_report(run(cfg))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,146 @@
+"""Engine configuration: verl's `FSDPEngineConfig` plus verl_moe's knobs, and the checks that
+run before any model is built.
+
+`MoeFsdp2EngineConfig` is what `configs/engine/moe_fsdp2.yaml` instantiates (field for field)
+into `actor_rollout_ref.actor.fsdp_config`; verl's own `FSDPEngineConfig` is accepted too
+(our engine then uses `OpsConfig()` defaults), so a run that only switches the model keeps
+working. verl's `BaseConfig` makes every field read-only except the few verl itself assigns
+(`use_dynamic_bsz`, micro-batch sizes, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from verl.utils.torch_dtypes import PrecisionType
+from verl.workers.config import FSDPEngineConfig
+from verl_moe.models import ArchConfig, OpsConfig, get_spec
+
+SERVED_STRATEGIES = ("fsdp", "fsdp2")
+
+
+@dataclass
+class MoeFsdp2EngineConfig(FSDPEngineConfig):
+    """verl's FSDP engine config plus the ops our spec uses.
+
+    Fields read by MoeFsdp2Engine (all others are verl's and keep verl's meaning):
+        strategy: "fsdp2" (or "fsdp": both run on FSDP2 `fully_shard`).
+        fsdp_size: ranks per shard group; -1 = the whole world, smaller = hybrid shard
+            (replicate across groups).
+        model_dtype: master-weight dtype ("fp32").
+        mixed_precision: {"param_dtype", "reduce_dtype"} ("bf16"/"fp32"); None = bf16 / fp32.
+            The router always computes and reduces in fp32.
+        reshard_after_forward, param_offload, optimizer_offload, offload_policy: as in verl.
+        ulysses_sequence_parallel_size: must divide the world and every head count.
+        use_no_sync_for_gradient_accumulation: reduce-scatter once per mini-batch.
+        ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
+    """
+
+    strategy: str = "fsdp2"
+    ops: OpsConfig = field(default_factory=OpsConfig)
+
+
+def ops_config(engine_config: FSDPEngineConfig) -> OpsConfig:
+    """The ops of our config, or the defaults for a plain verl `FSDPEngineConfig`."""
+    return engine_config.ops if isinstance(engine_config, MoeFsdp2EngineConfig) else OpsConfig()
+
+
+def precision_dtypes(engine_config: FSDPEngineConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(master dtype, compute dtype, gradient-reduce dtype)."""
+    master = PrecisionType.to_dtype(engine_config.model_dtype)
+    mixed = engine_config.mixed_precision or {}
+    unknown = set(mixed) - {"param_dtype", "reduce_dtype", "buffer_dtype"}
+    if unknown:
+        raise ValueError(f"mixed_precision has unknown keys {sorted(unknown)}")
+    compute = PrecisionType.to_dtype(mixed.get("param_dtype", "bf16"))
+    reduce = PrecisionType.to_dtype(mixed.get("reduce_dtype", "fp32"))
+    return master, compute, reduce
+
+
+def arch_config(hf_config) -> ArchConfig:
+    """The validated architecture of an HF config (raises naming the supported model types)."""
+    spec = get_spec(hf_config.model_type)
+    return spec.arch_config(spec.text_config(hf_config))
+
+
+def sequence_parallel_problems(arch: ArchConfig, sp: int) -> dict[str, int]:
+    """Head counts Ulysses SP of size `sp` cannot split: query heads and GatedDeltaNet key / value
+    heads (with their conv channels) must divide by `sp`; attention key/value heads must divide
+    by `sp` or divide `sp` (then each rank gets a replicated kv head)."""
+    problems = {}
+    if arch.num_attention_heads % sp:
+        problems["num_attention_heads"] = arch.num_attention_heads
+    kv = arch.num_key_value_heads
+    if kv % sp and sp % kv:
+        problems["num_key_value_heads"] = kv
+    if "linear_attention" in arch.layer_types:
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(arch, name) % sp:
+                problems[name] = getattr(arch, name)
+    return problems
+
+
+def validate_engine_config(model_config, engine_config: FSDPEngineConfig, world_size: int) -> None:
+    """Raise ValueError on a configuration MoeFsdp2Engine cannot run, before any model is built."""
+    if engine_config.strategy not in SERVED_STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {engine_config.strategy!r} for MoeFsdp2Engine; expected one of {SERVED_STRATEGIES}"
+        )
+    arch = arch_config(model_config.hf_config)
+    fsdp_size = engine_config.fsdp_size
+    if fsdp_size != -1 and (fsdp_size < 1 or world_size % min(fsdp_size, world_size)):
+        raise ValueError(f"fsdp_size={fsdp_size} must be -1 or divide the world size {world_size}")
+    sp = engine_config.ulysses_sequence_parallel_size
+    if sp < 1 or world_size % sp:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}")
+    if sp > 1:
+        bad = sequence_parallel_problems(arch, sp)
+        if bad:
+            raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the head counts {bad}")
+        raise ValueError("ulysses_sequence_parallel_size > 1 is not implemented by MoeFsdp2Engine yet")
+    for name in (
+        "micro_batch_size_per_gpu",
+        "infer_micro_batch_size_per_gpu",
+        "max_token_len_per_gpu",
+        "infer_max_token_len_per_gpu",
+    ):
+        value = getattr(engine_config, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be positive")
+    precision_dtypes(engine_config)
+    if engine_config.param_offload and engine_config.offload_policy:
+        raise ValueError("param_offload (between steps) and offload_policy (FSDP2 CPUOffloadPolicy) are exclusive")
+    if engine_config.qat.enable:
+        raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
+    if engine_config.router_replay.mode != "disabled":
+        raise ValueError(f"router_replay.mode={engine_config.router_replay.mode!r} is not supported by MoeFsdp2Engine")
+    if engine_config.pad_to_length:
+        raise ValueError("pad_to_length is not supported by MoeFsdp2Engine")
+    if model_config.lora_rank > 0:
+        raise ValueError("LoRA is not supported by MoeFsdp2Engine (lora_rank > 0)")
+    if model_config.enable_activation_offload:
+        raise ValueError("enable_activation_offload is not supported by MoeFsdp2Engine")
+    if arch.tie_word_embeddings and world_size > 1:
+        raise ValueError("tied word embeddings are not supported by MoeFsdp2Engine with more than one rank")
+
+
+def validate_actor_config(actor, n_gpus: int) -> None:
+    """Checks of a composed trainer's actor config (verl's `FSDPActorConfig`) that verl does not
+    make, for a run on `n_gpus` ranks: the strategy, SP against the world, and a micro-batch no
+    larger than the mini-batch each data-parallel rank receives. Raises ValueError."""
+    engine = actor.engine
+    if actor.strategy not in SERVED_STRATEGIES:
+        raise ValueError(f"unknown strategy {actor.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}")
+    sp = engine.ulysses_sequence_parallel_size
+    if sp < 1 or n_gpus % sp:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the number of ranks {n_gpus}")
+    dp = n_gpus // sp
+    sequences = actor.ppo_mini_batch_size * actor.rollout_n
+    if sequences % dp:
+        raise ValueError(f"ppo_mini_batch_size * rollout.n = {sequences} sequences do not split over {dp} dp ranks")
+    if not actor.use_dynamic_bsz and actor.ppo_micro_batch_size_per_gpu > sequences // dp:
+        raise ValueError(
+            f"ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} is larger than the mini-batch "
+            f"per data-parallel rank ({sequences} sequences / {dp} ranks = {sequences // dp})"
+        )

@@ -1,0 +1,223 @@
+"""Engine core shared by our engines: plain functions over verl's TensorDict batches.
+
+verl hands an engine a TensorDict whose sequences are jagged nested tensors (`input_ids`,
+`position_ids`, `loss_mask`, ...; layout `[N, j]`) plus non-tensor switches (`temperature`,
+`use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`, `calculate_entropy`).
+This module turns one micro-batch into one packed row (`[1, T]` with `cu_seqlens`), runs the
+spec and the fused log-prob head, and turns the per-token results back into nested tensors in
+the order verl gave the sequences. Engines differ only in how they parallelize, offload and
+checkpoint; everything here is theirs by composition.
+
+Alphabet: N sequences in a micro-batch, T packed tokens, D hidden, VOCAB vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.py_functional import append_to_dict
+
+# Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
+UNSUPPORTED_SWITCHES = (
+    "calculate_sum_pi_squared",
+    "distillation_use_topk",
+    "distillation_only",
+    "enable_routing_replay",
+)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch as a single packed row.
+
+    input_ids, position_ids: [1, T] int64, memory-contiguous; positions as verl computed them
+        (each sequence counts from its first real token).
+    cu_seqlens: [N+1] int32, sequence boundaries in the packed row.
+    labels: [T] int64, the packed row shifted left by one (labels[t] = input_ids[t+1]); the
+        label of each sequence's last token is never read by verl's losses.
+    temperature: [T] fp32, each sequence's sampling temperature repeated over its tokens.
+    offsets: [N+1] int64, the nested tensors' offsets (what unpacking returns to).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    labels: torch.Tensor
+    temperature: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def check_batch_options(data: TensorDict) -> None:
+    """Raise ValueError for verl batch switches our engines do not implement."""
+    pad_mode = tu.get_non_tensor_data(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+    if pad_mode != DatasetPadMode.NO_PADDING:
+        raise ValueError(f"verl_moe engines take NO_PADDING (nested) batches, got pad_mode={pad_mode}")
+    for key in UNSUPPORTED_SWITCHES:
+        if tu.get_non_tensor_data(data=data, key=key, default=False):
+            raise ValueError(f"verl_moe engines do not implement {key}=True")
+    if not data["input_ids"].is_nested:
+        raise ValueError("verl_moe engines expect jagged nested input_ids (verl's left_right_2_no_padding)")
+    if data["position_ids"].dim() != 2:
+        raise ValueError(
+            f"verl_moe engines take text position_ids [N, j]; got {data['position_ids'].dim()}-D (multimodal mRoPE ids)"
+        )
+
+
+def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBatch:
+    """Nested `input_ids` / `position_ids` / `temperature` of one micro-batch -> `PackedBatch` on `device`."""
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets().to(torch.int64)
+    seq_lens = offsets.diff()
+    ids = input_ids.values().to(device=device, dtype=torch.int64).contiguous()
+    # .values() of a nested tensor can be a strided view; kernels index positions by pointer.
+    positions = micro_batch["position_ids"].values().to(device=device, dtype=torch.int64).contiguous()
+    if positions.shape != ids.shape:
+        raise ValueError(f"position_ids hold {positions.numel()} tokens, input_ids {ids.numel()}")
+    temperature = micro_batch["temperature"]
+    if isinstance(temperature, torch.Tensor):
+        per_seq = temperature.to(device=device, dtype=torch.float32).reshape(-1)
+        if per_seq.numel() != seq_lens.numel():
+            raise ValueError(f"temperature has {per_seq.numel()} entries for {seq_lens.numel()} sequences")
+        per_token = torch.repeat_interleave(per_seq, seq_lens.to(device))
+    else:
+        per_token = torch.full(ids.shape, float(temperature), dtype=torch.float32, device=device)
+    return PackedBatch(
+        input_ids=ids.unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        cu_seqlens=offsets.to(device=device, dtype=torch.int32),
+        labels=torch.roll(ids, shifts=-1, dims=0),
+        temperature=per_token,
+        offsets=offsets,
+    )
+
+
+def unpack_to_nested(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[T] per-token values -> jagged nested [N, j] with the micro-batch's offsets."""
+    if values.shape[0] != packed.num_tokens:
+        raise ValueError(f"expected {packed.num_tokens} per-token values, got {values.shape[0]}")
+    return torch.nested.nested_tensor_from_jagged(values, packed.offsets.to(values.device))
+
+
+class LogProbModel(nn.Module):
+    """The spec plus the fused log-prob head, as one module, so that FSDP's root unit (embeddings,
+    final norm, lm_head) is unsharded for the head call and its gradients reduce-scatter normally.
+
+    forward(packed) -> (log_probs [T] fp32, entropy [T] fp32 or None). The head never builds the
+    [T, VOCAB] logits; temperature scales the logits out of place inside the op.
+    """
+
+    def __init__(self, model: nn.Module, logprob_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.logprob_fn = logprob_fn
+
+    def forward(
+        self, packed: PackedBatch, calculate_entropy: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens)
+        hidden = out.last_hidden_state[0]
+        return self.logprob_fn(
+            hidden,
+            self.model.lm_head.weight,
+            packed.labels,
+            packed.temperature,
+            calculate_entropy=calculate_entropy,
+            entropy_grad=entropy_grad,
+        )
+
+
+def global_token_count(data: TensorDict, dp_group) -> int:
+    """Sum of `loss_mask` over the whole data-parallel batch (verl's `batch_num_tokens`)."""
+    loss_mask = data["loss_mask"]
+    local = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(torch.int64).reshape(1).cpu()
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=dp_group)
+    return int(local.item())
+
+
+def _balanced_bins(seq_lens: list[int], num_bins: int) -> list[list[int]]:
+    """Longest-processing-time greedy: each sequence (longest first) to the lightest bin."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        target = min(range(num_bins), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += seq_lens[i]
+    return [sorted(b) for b in bins]
+
+
+def split_micro_batches(
+    seq_lens: list[int],
+    *,
+    use_dynamic_bsz: bool,
+    micro_batch_size: int | None,
+    max_token_len: int | None,
+    dp_group=None,
+) -> list[list[int]]:
+    """Indices of each micro-batch (every data-parallel rank gets the same count).
+
+    By count: consecutive chunks of `micro_batch_size` sequences (the last may be shorter).
+    Dynamic: k = ceil(tokens / max_token_len), raised to the largest k over the data-parallel
+    group (FSDP needs every rank to run as many forwards), then balanced by tokens.
+
+    Raises ValueError on a micro-batch size larger than the batch, a sequence longer than
+    `max_token_len`, or more micro-batches than sequences on this rank.
+    """
+    n = len(seq_lens)
+    if n == 0:
+        raise ValueError("empty batch")
+    if use_dynamic_bsz:
+        if max_token_len is None or max_token_len <= 0:
+            raise ValueError(f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {max_token_len}")
+        if max(seq_lens) > max_token_len:
+            raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds max_token_len_per_gpu={max_token_len}")
+        count = torch.tensor([-(-sum(seq_lens) // max_token_len)], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        num_bins = int(count.item())
+        if num_bins > n:
+            raise ValueError(f"{num_bins} micro-batches needed to match other ranks, but this rank has {n} sequences")
+        return _balanced_bins(seq_lens, num_bins)
+    if micro_batch_size is None or micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size_per_gpu must be positive, got {micro_batch_size}")
+    if micro_batch_size > n:
+        raise ValueError(f"micro_batch_size_per_gpu={micro_batch_size} is larger than the batch on this rank ({n})")
+    return [list(range(start, min(start + micro_batch_size, n))) for start in range(0, n, micro_batch_size)]
+
+
+def select_micro_batch(data: TensorDict, indices: list[int]) -> TensorDict:
+    """Rows `indices` of `data` (nested tensors re-packed, non-tensor switches kept)."""
+    return tu.index_select_tensor_dict(data, indices)
+
+
+def merge_outputs(outputs: list[dict], micro_batch_indices: list[list[int]]) -> dict:
+    """Per-micro-batch {"model_output", "loss", "metrics"} -> verl's forward_backward_batch result.
+
+    model_output tensors are nested [N, j]; they come back in the batch's original sequence
+    order. "loss" is the list of per-micro-batch floats; "metrics" maps each key to the list of
+    per-micro-batch values (verl `Metric`s aggregate themselves).
+    """
+    order = [i for indices in micro_batch_indices for i in indices]
+    model_output: dict[str, torch.Tensor] = {}
+    keys = outputs[0].get("model_output", {}).keys()
+    for key in keys:
+        rows = [row for out in outputs for row in out["model_output"][key].unbind()]
+        restored: list[torch.Tensor | None] = [None] * len(order)
+        for position, original in enumerate(order):
+            restored[original] = rows[position]
+        model_output[key] = torch.nested.as_nested_tensor(restored, layout=torch.jagged)
+    metrics: dict = {}
+    for out in outputs:
+        append_to_dict(metrics, out["metrics"])
+    return {"model_output": model_output, "loss": [out["loss"] for out in outputs], "metrics": metrics}

@@ -1,0 +1,188 @@
+"""A `cpu` platform for verl's platform registry, so verl's own workers run on CPU with gloo.
+
+verl resolves its platform once per process (`verl.plugin.platform.get_platform`): from
+`VERL_PLATFORM`, else by probing the registered platforms, else falling back to `nvidia`.
+On a machine without accelerator that fallback makes every verl worker ask for CUDA and NCCL.
+`PlatformCPU` is registered under the name `cpu` by `verl_moe.engines.plugin`; it is never
+auto-detected (so installing the plugin changes nothing on GPU/NPU hosts) and is selected with
+`VERL_PLATFORM=cpu`.
+
+What it maps:
+- device `cpu`, collective backend `gloo`, seeds through `torch.manual_seed`;
+- the device module is `torch.cpu` plus the memory-statistics functions verl's workers call
+  (`max_memory_allocated`, `mem_get_info`, ...), which `torch.cpu` lacks; they report 0 bytes
+  (CPU has no caching allocator) and host memory from psutil;
+- one "accelerator" in Ray is one CPU: `RayResourcePool(process_on_nodes=[n])` with its default
+  `use_gpu=True` asks for bundles of `{"CPU": 1}`, which a small machine grants.
+
+One verl function cannot be served by a platform: `initialize_global_process_group_ray` builds
+the backend string `cpu:gloo,<device>:<backend>`, which torch rejects for device `cpu`
+("Duplicate device type cpu"). `install_cpu_process_group_fix` wraps it to pass plain `gloo`
+when, and only when, the current platform is this one. Upstream fix (one line in
+`verl/utils/distributed.py`):
+    backend = backend or (get_nccl_backend() if get_device_name() == "cpu"
+                          else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}")
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+import torch
+from verl.plugin.platform import PlatformBase
+
+PLATFORM_NAME = "cpu"
+
+
+def _zero_bytes(*args, **kwargs) -> int:
+    return 0
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _host_mem_get_info(*args, **kwargs) -> tuple[int, int]:
+    mem = psutil.virtual_memory()
+    return mem.available, mem.total
+
+
+def _build_cpu_device_module() -> types.ModuleType:
+    """`torch.cpu` plus the allocator-statistics API verl calls on `get_torch_device()`."""
+    module = types.ModuleType("verl_moe_cpu_device")
+    for name in ("current_device", "device_count", "is_available", "synchronize", "Stream", "Event"):
+        setattr(module, name, getattr(torch.cpu, name))
+    module.set_device = _noop
+    module.manual_seed = torch.manual_seed
+    module.manual_seed_all = torch.manual_seed
+    module.empty_cache = _noop
+    module.reset_peak_memory_stats = _noop
+    module.reset_accumulated_memory_stats = _noop
+    module.set_per_process_memory_fraction = _noop
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        setattr(module, name, _zero_bytes)
+    module.mem_get_info = _host_mem_get_info
+    # verl's FlopsCounter looks the name up in its table of peak FLOPS ("CPU" is an entry)
+    module.get_device_name = lambda *args, **kwargs: "CPU"
+    return module
+
+
+CPU_DEVICE_MODULE = _build_cpu_device_module()
+
+
+class PlatformCPU(PlatformBase):
+    """verl platform for CPU-only hosts: gloo collectives, one CPU per Ray "accelerator"."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> types.ModuleType:
+        return CPU_DEVICE_MODULE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        # Never auto-detected: a host's accelerator platform must win the probe. Select with VERL_PLATFORM=cpu.
+        return False
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        # verl's Worker exports this variable; nothing reads it on CPU.
+        return "VERL_CPU_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        # Ray refuses "CPU" inside `resources`; it must go through num_cpus.
+        return {"num_cpus": num_gpus}
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
+def cpu_platform_selected() -> bool:
+    """True when this process asked verl for the cpu platform (`VERL_PLATFORM=cpu`)."""
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
+
+
+def install_cpu_process_group_fix() -> None:
+    """Make `verl.utils.distributed.initialize_global_process_group_ray` use plain `gloo` on the
+    cpu platform; any other platform, or an explicit `backend`, passes through unchanged.
+
+    Must run before `verl.workers.engine_workers` binds the name (the plugin loads during
+    `import verl`, before any worker module). Idempotent.
+    """
+    import verl.utils.distributed as verl_distributed
+
+    original = verl_distributed.initialize_global_process_group_ray
+    if getattr(original, "_verl_moe_cpu_fix", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        from verl.utils.device import get_device_name
+
+        if backend is None and get_device_name() == "cpu":
+            backend = "gloo"
+        return original(timeout_second=timeout_second, backend=backend)
+
+    initialize_global_process_group_ray._verl_moe_cpu_fix = True
+    verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray

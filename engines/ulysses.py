@@ -1,0 +1,117 @@
+"""Ulysses sequence parallelism: the engine side (packed-row slicing, all-to-all over heads,
+token gather) and the hook the model's token mixers call.
+
+Each rank of an SP group of size `sp` holds T/sp tokens of the packed row (padded to a
+multiple of `sp`; the pad forms one trailing sequence in `cu_seqlens`). Token-wise layers
+(norms, MoE, projections) run on the local tokens. A token mixer needs whole sequences, so it
+trades tokens for heads around its sequence op:
+
+    attention:  q, k, v [B, T/sp, H, K] --seq_to_heads--> [B, T, H/sp, K]
+                (kv heads fewer than sp are first repeated: `expand_kv_heads`)
+                o [B, T, H/sp, K] --heads_to_seq--> [B, T/sp, H, K] -> output gate, o_proj
+    GatedDeltaNet: in_proj_qkv(x) [B, T/sp, C] is split into q | k | v head groups, each goes
+                seq_to_heads; rank r keeps key heads `head_slice(H)` and value heads
+                `head_slice(HV)` (contiguous, so value head j still reads key head j // (HV/H)),
+                with the matching rows of conv1d.weight, A_log and dt_bias; beta / g / z follow
+                their value heads; the output goes heads_to_seq before out_proj.
+
+What the model side must add (models/, not here): `MoeCausalLM.set_sequence_parallel(group:
+UlyssesGroup | None)` storing the group on every Attention and GatedDeltaNet, and in their
+`forward`, when it is set, the exchanges above (the per-rank parameter slices are views of the
+unsharded parameters inside the FSDP unit, so gradients land in the right rows).
+
+Alphabet: B batch (1 when packed), T tokens, H heads, K head dim, C channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from verl_moe.engines.core import PackedBatch
+
+
+@dataclass(frozen=True)
+class UlyssesGroup:
+    """One sequence-parallel group: `size` ranks, this process being `rank` within `group`."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+    def head_slice(self, num_heads: int) -> slice:
+        """The heads this rank computes after `seq_to_heads`. Raises ValueError unless size divides them."""
+        if num_heads % self.size:
+            raise ValueError(f"{num_heads} heads do not split over sequence-parallel size {self.size}")
+        per_rank = num_heads // self.size
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def expand_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, HKV, K] -> [B, T, max(HKV, size), K]: each kv head repeated size / HKV times when
+        HKV < size, so every rank receives the kv head its query heads read."""
+        kv = x.shape[2]
+        if kv % self.size == 0:
+            return x
+        if self.size % kv:
+            raise ValueError(f"{kv} kv heads neither divide nor are divided by sequence-parallel size {self.size}")
+        return x.repeat_interleave(self.size // kv, dim=2)
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T/size, H, ...] -> [B, T, H/size, ...] (all-to-all; differentiable)."""
+        B, t, H = x.shape[:3]
+        rest = x.shape[3:]
+        if H % self.size:
+            raise ValueError(f"{H} heads do not split over sequence-parallel size {self.size}")
+        # [size (destination), B, t, H/size, ...]: chunk j of the heads goes to rank j
+        send = x.reshape(B, t, self.size, H // self.size, *rest).movedim(2, 0).contiguous()
+        received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        # received[j] = rank j's tokens for my heads: tokens in rank order
+        return received.movedim(0, 1).reshape(B, self.size * t, H // self.size, *rest)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H/size, ...] -> [B, T/size, H, ...] (the inverse all-to-all; differentiable)."""
+        B, T, h = x.shape[:3]
+        rest = x.shape[3:]
+        t = T // self.size
+        send = x.reshape(B, self.size, t, h, *rest).movedim(1, 0).contiguous()
+        received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        return received.movedim(0, 2).reshape(B, t, self.size * h, *rest)
+
+    def gather_tokens(self, x: torch.Tensor, pad: int) -> torch.Tensor:
+        """[T/size, ...] per rank -> [T - pad, ...] on every rank. The backward sums the gradient of
+        every rank (each computes the same loss), which with FSDP's average over dp x sp ranks
+        gives exactly the data-parallel gradient."""
+        full = torch.cat(dist_fn.all_gather(x.contiguous(), group=self.group), dim=0)
+        return full[: full.shape[0] - pad] if pad else full
+
+
+def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, int]:
+    """This rank's T/sp tokens of a packed row, padded to a multiple of sp, and the pad size.
+
+    input_ids, position_ids, labels, temperature are sliced; cu_seqlens stays global (the
+    sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more sequence.
+    """
+    total = packed.num_tokens
+    pad = -total % sp.size
+    ids, pos = packed.input_ids, packed.position_ids
+    labels, temperature, cu = packed.labels, packed.temperature, packed.cu_seqlens
+    if pad:
+        ids = torch.nn.functional.pad(ids, (0, pad))
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)[None]], dim=1)
+        labels = torch.nn.functional.pad(labels, (0, pad))
+        temperature = torch.nn.functional.pad(temperature, (0, pad), value=1.0)
+        cu = torch.cat([cu, cu.new_tensor([total + pad])])
+    local = slice(sp.rank * (total + pad) // sp.size, (sp.rank + 1) * (total + pad) // sp.size)
+    return (
+        replace(
+            packed,
+            input_ids=ids[:, local],
+            position_ids=pos[:, local],
+            labels=labels[local],
+            temperature=temperature[local],
+            cu_seqlens=cu,
+        ),
+        pad,
+    )

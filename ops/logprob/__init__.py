@@ -1,0 +1,111 @@
+"""Memory-efficient LM head: per-token log p(label) and entropy without [N, VOCAB] fp32 logits.
+
+`logprobs_and_entropy` validates, normalises the temperature and dispatches (`ops.dispatch`) to
+the Triton path (`fused.py`) or the chunked torch path (`chunked.py`); `reference.py` holds the
+full-logits golden.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dispatch import resolve
+from .chunked import LogprobCall, LogprobOptions, compute_dtype
+from .reference import logprobs_and_entropy_ref
+
+IMPLS = {
+    "torch": "verl_moe.ops.logprob.chunked:logprobs_and_entropy_chunked",
+    "triton": "verl_moe.ops.logprob.fused:logprobs_and_entropy_fused",
+}
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_inputs(hidden, weight, labels, temperature) -> torch.Tensor:
+    """Raise ValueError on bad inputs; return 1/T as an [N] tensor in the compute dtype."""
+    if hidden.ndim != 2 or weight.ndim != 2 or labels.ndim != 1:
+        raise ValueError(
+            f"expected hidden [N, D], weight [VOCAB, D], labels [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(labels.shape)}"
+        )
+    n, d = hidden.shape
+    if weight.shape[1] != d or labels.shape[0] != n:
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
+        )
+    if weight.shape[0] == 0 or d == 0:
+        raise ValueError(f"VOCAB and D must be positive, got weight {tuple(weight.shape)}")
+    if hidden.dtype not in _FLOATS or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden and weight need one float dtype, got {hidden.dtype} and {weight.dtype}")
+    if labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64, got {labels.dtype}")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(f"devices differ: {hidden.device}, {weight.device}, {labels.device}")
+    acc = compute_dtype(hidden.dtype)
+    if isinstance(temperature, torch.Tensor):
+        if temperature.ndim > 1 or (temperature.ndim == 1 and temperature.shape[0] != n):
+            raise ValueError(f"temperature must be a scalar or [N={n}], got {tuple(temperature.shape)}")
+        if not temperature.is_floating_point() or temperature.device != hidden.device:
+            raise ValueError(f"temperature must be a float tensor on {hidden.device}")
+        inv_t = (1.0 / temperature.to(acc)).expand(n).contiguous()
+        bad_t = ~((temperature > 0) & torch.isfinite(temperature)).all()
+    else:
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+        inv_t = torch.full((n,), 1.0 / temperature, dtype=acc, device=hidden.device)
+        bad_t = torch.zeros((), dtype=torch.bool, device=hidden.device)
+    bad_label = ((labels < 0) | (labels >= weight.shape[0])).any() if n else torch.zeros_like(bad_t)
+    flags = torch.stack([bad_t, bad_label]).tolist()  # one device sync for both checks
+    if flags[0]:
+        raise ValueError("temperature must be finite and > 0 for every token")
+    if flags[1]:
+        raise ValueError(f"labels must lie in [0, VOCAB={weight.shape[0]})")
+    return inv_t
+
+
+def logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    calculate_entropy: bool = True,
+    entropy_grad: bool = True,
+    impl: str | None = None,
+    options: LogprobOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused LM head + log-softmax at the labels + entropy, chunked so [N, VOCAB] never exists in fp32.
+
+    z = (hidden @ weight.T) / T (out of place), accumulated in fp32 (fp64 for fp64 inputs).
+
+    Args:
+        hidden: [N, D] fp16/bf16/fp32/fp64 final hidden states (packed tokens).
+        weight: [VOCAB, D] LM head weight, same dtype and device.
+        labels: [N] int64 in [0, VOCAB).
+        temperature: python scalar or [N] (or 0-dim) float tensor, finite and > 0.
+        calculate_entropy: return the entropy of softmax(z) too.
+        entropy_grad: when False the entropy is returned without gradient (log_prob keeps its own).
+        impl: "triton" | "torch" | None (ops dispatch: VERL_MOE_OPS, else by device).
+        options: working-set knobs (`LogprobOptions`).
+
+    Returns:
+        log_prob: [N] fp32 log softmax(z)[label], <= 0.
+        entropy: [N] fp32 >= 0, or None when calculate_entropy is False.
+        Both differentiable w.r.t. hidden and weight; inputs are never modified.
+
+    Raises:
+        ValueError: bad shapes or dtypes, labels out of range, temperature <= 0 (before any launch),
+            or an impl that cannot run here.
+    """
+    inv_t = _check_inputs(hidden, weight, labels, temperature)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    labels = labels.contiguous()
+    call = LogprobCall(calculate_entropy, entropy_grad, options or LogprobOptions())
+    return resolve("logprob", impl)(hidden, weight, labels, inv_t, call)
+
+
+__all__ = ["IMPLS", "LogprobOptions", "logprobs_and_entropy", "logprobs_and_entropy_ref"]

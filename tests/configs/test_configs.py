@@ -1,0 +1,96 @@
+"""verl_moe's Hydra configs: the engine YAML mirrors its dataclass, and every recipe composes with
+verl 0.9.1's `ppo_trainer` into the typed config objects verl's workers build (actor and ref
+engines are MoeFsdp2EngineConfig), passing the checks made before any model is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import verl_moe.configs
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+from verl.utils.config import omega_conf_to_dataclass
+from verl_moe.engines.config import MoeFsdp2EngineConfig, validate_actor_config
+
+CONFIG_DIR = os.path.dirname(os.path.abspath(verl_moe.configs.__file__))
+RECIPES = sorted(name[: -len(".yaml")] for name in os.listdir(os.path.join(CONFIG_DIR, "recipe")))
+USER_SCALE = [name for name in RECIPES if name != "tiny_cpu"]
+
+
+def _assert_mirrors(node: dict, cls, where: str) -> None:
+    """Same keys as the dataclass's fields (plus Hydra's `_target_`, naming the class), recursively."""
+    assert node["_target_"] == f"{cls.__module__}.{cls.__qualname__}" or node["_target_"].endswith(
+        f".{cls.__qualname__}"
+    ), (where, node["_target_"])
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(node) - {"_target_"} == set(fields) - {"_target_"}, (where, set(node) ^ set(fields))
+    for name, value in node.items():
+        if name == "_target_":
+            continue
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, dict) and dataclasses.is_dataclass(default):
+            _assert_mirrors(value, type(default), f"{where}.{name}")
+
+
+def test_engine_yaml_mirrors_dataclass():
+    with open(os.path.join(CONFIG_DIR, "engine", "moe_fsdp2.yaml")) as f:
+        node = yaml.safe_load(f)
+    _assert_mirrors(node, MoeFsdp2EngineConfig, "engine/moe_fsdp2")
+    built = omega_conf_to_dataclass(node)
+    assert isinstance(built, MoeFsdp2EngineConfig)
+    assert built == MoeFsdp2EngineConfig()  # the YAML holds the dataclass defaults
+
+
+def _compose(recipe: str, overrides=()):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name=f"recipe/{recipe}", overrides=list(overrides))
+
+
+def _actor_and_ref(cfg):
+    """The ActorConfig objects verl's ActorRolloutRefWorker.init_model builds (ref keys renamed as it does)."""
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref_node = cfg.actor_rollout_ref.ref
+    with open_dict(ref_node):
+        ref_node.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref_node.ppo_micro_batch_size = ref_node.pop("log_prob_micro_batch_size", None)
+        ref_node.ppo_micro_batch_size_per_gpu = ref_node.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref_node.use_dynamic_bsz = ref_node.pop("log_prob_use_dynamic_bsz", False)
+        ref_node.ppo_max_token_len_per_gpu = ref_node.pop("log_prob_max_token_len_per_gpu", None)
+    return actor, omega_conf_to_dataclass(ref_node)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_builds_engine_configs(recipe):
+    cfg = _compose(recipe)
+    actor, ref = _actor_and_ref(cfg)
+    assert isinstance(actor.engine, MoeFsdp2EngineConfig) and actor.engine.strategy == "fsdp2"
+    assert ref.engine.forward_only and ref.engine.strategy == "fsdp2"
+    validate_actor_config(actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+    if recipe in USER_SCALE:
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 20480)
+        assert (cfg.data.train_batch_size, cfg.data.gen_batch_size) == (512, 1536)
+        assert actor.engine.param_offload and actor.engine.optimizer_offload and actor.engine.fsdp_size == -1
+        assert actor.engine.ulysses_sequence_parallel_size == 8 and ref.engine.ulysses_sequence_parallel_size == 8
+        assert cfg.trainer.device == ("npu" if recipe.endswith("_npu") else "cuda")
+        loss = recipe.split("_")[-2]
+        assert actor.policy_loss.loss_mode == ("gspo" if loss == "gspo" else "vanilla")
+        assert actor.use_kl_loss == (loss == "grpo")
+        assert cfg.algorithm.filter_groups.enable == (loss == "dapo")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"], "larger than the mini-batch"),
+        (["actor_rollout_ref.actor.strategy=fsdp_turbo"], "unknown strategy 'fsdp_turbo'"),
+        (["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=3"], "must divide the number of ranks"),
+    ],
+)
+def test_bad_recipe_overrides_raise_before_build(overrides, message):
+    cfg = _compose("tiny_cpu", overrides)
+    actor, _ = _actor_and_ref(cfg)
+    with pytest.raises(ValueError, match=message):
+        validate_actor_config(actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)

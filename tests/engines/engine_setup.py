@@ -1,0 +1,171 @@
+"""Tiny model folder, verl-format batches and the plain-autograd reference for the engine tests."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+import verl_moe.models as vm
+from tensordict import TensorDict
+from transformers import Qwen3_5MoeTextConfig
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
+from verl.utils.model import compute_position_id_with_mask
+from verl.workers.utils.padding import left_right_2_no_padding
+
+VOCAB = 96
+
+
+def tiny_config() -> Qwen3_5MoeTextConfig:
+    """2 GatedDeltaNet layers + 1 attention layer, 4 experts top-2, untied lm_head."""
+    return Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+
+
+def write_tiny_model(path: str, seed: int = 0) -> str:
+    """An HF folder holding a randomly initialised tiny Qwen3.5-MoE (norms randomised too)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = vm.build(tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.2)
+    vm.save_pretrained(model, path)
+    return path
+
+
+def make_batch(batch_size: int, prompt_len: int, response_len: int, seed: int, temperature=1.0) -> TensorDict:
+    """A verl rollout batch in the engines' format: left-padded prompts, right-padded responses,
+    then `left_right_2_no_padding` (nested input_ids / position_ids / loss_mask). A tensor
+    `temperature` [batch_size] rides in the batch (per sample), a float in the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    total = prompt_len + response_len
+    input_ids = torch.randint(1, VOCAB, (batch_size, total), generator=gen)
+    prompt_valid = torch.randint(1, prompt_len + 1, (batch_size,), generator=gen)
+    response_valid = torch.randint(1, response_len + 1, (batch_size,), generator=gen)
+    cols = torch.arange(total)
+    attention_mask = (cols >= prompt_len - prompt_valid[:, None]) & (cols < prompt_len + response_valid[:, None])
+    attention_mask = attention_mask.long()
+    input_ids = input_ids * attention_mask
+    response_mask = attention_mask[:, prompt_len:]
+    per_sample = isinstance(temperature, torch.Tensor)
+    data = DataProto.from_single_dict(
+        {
+            "input_ids": input_ids,
+            "prompts": input_ids[:, :prompt_len],
+            "responses": input_ids[:, prompt_len:],
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+            "response_mask": response_mask,
+            "advantages": torch.randn(batch_size, 1, generator=gen).expand(-1, response_len) * response_mask,
+            **({"temperature": temperature.float()} if per_sample else {}),
+        },
+        meta_info={} if per_sample else {"temperature": temperature},
+    )
+    return left_right_2_no_padding(data.to_tensordict())
+
+
+def reference_log_probs(model: vm.MoeCausalLM, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain autograd through the spec, one sequence at a time, full fp32 logits: nested
+    (log_prob, entropy) [N, j] of each next token (a sequence's last entry is meaningless; verl's
+    `no_padding_2_padding` never reads it)."""
+    temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
+    log_probs, entropies = [], []
+    for i, ids in enumerate(data["input_ids"].unbind()):
+        pos = data["position_ids"].unbind()[i]
+        hidden = model(ids[None], pos[None]).last_hidden_state[0]
+        t = temperature[i] if isinstance(temperature, torch.Tensor) else temperature
+        logp = torch.log_softmax(model.logits(hidden).float() / t, dim=-1)
+        labels = torch.cat([ids[1:], ids[:1]])
+        log_probs.append(logp.gather(1, labels[:, None]).squeeze(1))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    offsets = data["input_ids"].offsets()
+    return (
+        torch.nested.nested_tensor_from_jagged(torch.cat(log_probs), offsets),
+        torch.nested.nested_tensor_from_jagged(torch.cat(entropies), offsets),
+    )
+
+
+def grpo_actor_config(**overrides):
+    """verl's ActorConfig with GRPO settings (token-mean, KL loss low_var_kl)."""
+    from verl.workers.config import ActorConfig
+
+    kwargs = dict(
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+        use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.01, loss_agg_mode="token-mean",
+        clip_ratio=0.2, entropy_coeff=0.0,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return ActorConfig(**kwargs)
+
+
+def ppo_loss_fn(actor_config):
+    from verl.workers.utils.losses import ppo_loss
+
+    return partial(ppo_loss, config=actor_config)
+
+
+def build_engine(
+    path: str, optimizer: dict | None = None, checkpoint_config=None, model: dict | None = None, **engine_overrides
+):
+    """MoeFsdp2Engine (through verl's registry) on an HF folder, fp32 compute unless overridden;
+    `optimizer` / `model` override FSDPOptimizerConfig (default lr 1e-3) / HFModelConfig fields."""
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl_moe.engines.config import MoeFsdp2EngineConfig
+
+    kwargs = dict(
+        strategy="fsdp2", mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"},
+        use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2,
+    )  # fmt: skip
+    kwargs.update(engine_overrides)
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=kwargs["strategy"],
+        model_config=HFModelConfig(path=path, load_tokenizer=False, **(model or {})),
+        engine_config=MoeFsdp2EngineConfig(**kwargs),
+        optimizer_config=FSDPOptimizerConfig(**{"lr": 1e-3, **(optimizer or {})}),
+        checkpoint_config=checkpoint_config,
+    )
+    engine.initialize()
+    return engine
+
+
+def rank_slice(data: TensorDict, rank: int, world_size: int) -> TensorDict:
+    """The part of a batch verl's dispatch hands to data-parallel rank `rank` (equal chunks)."""
+    return tu.chunk_tensordict(data, world_size)[rank]
+
+
+def with_ppo_fields(data: TensorDict, reference_lp: torch.Tensor, seed: int) -> TensorDict:
+    """Add old_log_probs (reference + noise, so ratios are near 1 and partly clipped) and ref_log_prob."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    gen = torch.Generator().manual_seed(seed)
+    lp = no_padding_2_padding(reference_lp, data).detach()
+    data["old_log_probs"] = lp + 0.1 * torch.randn(lp.shape, generator=gen)
+    data["ref_log_prob"] = lp + 0.1 * torch.randn(lp.shape, generator=gen)
+    return data
+
+
+def reference_train_step(model, optimizer, data: TensorDict, loss_fn, clip_grad: float) -> tuple[float, float]:
+    """One step of plain autograd over the whole batch (one micro-batch, dp_size 1): verl's loss on
+    full-logits log-probs, clip_grad_norm_, optimizer.step. Returns (loss, grad norm before clip)."""
+    optimizer.zero_grad()
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()), global_batch_size=len(data))
+    log_probs, _ = reference_log_probs(model, data)
+    loss, _ = loss_fn(model_output={"log_probs": log_probs}, data=data, dp_group=None)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    optimizer.step()
+    return loss.item(), grad_norm.item()

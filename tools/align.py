@@ -1,0 +1,373 @@
+"""`verl-moe align`: the same HF weights and the same RL batches through several backends.
+
+Per backend pair (the golden, normally the fp64 `reference`, against each other backend) the
+report holds the one-step metrics (step 0: same weights, same batch), the per-step curves over K
+optimizer steps (GRPO or GSPO through verl's `ppo_loss`, same AdamW and LR schedule), and the
+first step where each metric leaves its tolerance. Metric definitions: `align_metrics.METRICS`.
+
+Tolerances: `DEFAULT_TOLERANCES[cls]`, where cls is the lower-precision parameter dtype of the
+pair (fp64, fp32 or bf16); `--tol metric=value` overrides a metric for every pair. The run exits
+non-zero when any pair leaves a tolerance at any step or a backend fails; skipped backends
+(cannot run here) are listed with the reason and do not fail the run.
+
+Outputs under `out`: report.json (schema `REPORT_SCHEMA`), curves.png (K-step curves),
+logp_hist.png (per-token |Δ log-prob| at step 0), the model folder, the batch stream, and one
+trace + log per backend.
+
+report.json (schema 1; `REPORT_SCHEMA` is the JSON Schema, `validate_report` checks it):
+    schema, tool ("align"), argv, device, device_name, versions, git_sha  (tools/report.environment)
+    config      the AlignConfig as a dict
+    model       {path, preset, model_type, num_parameters}
+    stream      {source, steps, sequences[k], tokens[k], response_tokens[k]}
+    golden      label of the backend every other one is compared with
+    backends[]  {label, name, status ok|skipped|failed, reason, dtype, router_dtype, world_size,
+                 wall_s, loss[k], grad_norm[k]}
+    pairs[]     {a, b, precision fp64|fp32|bf16, one_step {metric: value, grad_cosine {group: cos}},
+                 curves[k] (same rows per step), tolerances {metric: bound}, first_exceeded
+                 {metric: step|null}, first_divergence_step, exceeded_at_step0 [metric], ok}
+    router_ablation  {router_dtypes} or null;  plots {curves, logp_hist}: PNG paths
+    ok, exit_code    0 when every pair stays within tolerance and no backend failed, else 1
+Non-finite numbers are written as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from . import align_backends as ab
+from .align_metrics import METRICS, BackendTrace, compare
+from .align_report import (
+    PRECISIONS,
+    REPORT_SCHEMA,
+    SCHEMA_VERSION,
+    json_safe,
+    plot_curves,
+    plot_logp_hist,
+    print_report,
+    validate_report,
+)
+from .presets import PRESETS, StreamSpec, create_model_dir, get_preset, load_batch_dump, make_stream
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "REPORT_SCHEMA",
+    "SCHEMA_VERSION",
+    "AlignConfig",
+    "expand_backends",
+    "print_report",
+    "run",
+    "validate_report",
+]
+ROUTER_ABLATION = ("bf16", "fp32", "fp64")
+
+# Upper bounds (lower bound for grad_cosine_min) per precision class of a pair, for the tiny presets.
+DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
+    "fp64": {
+        "logp_abs_diff_mean": 1e-9,
+        "logp_abs_diff_max": 1e-7,
+        "kl_k3_mean": 1e-12,
+        "entropy_abs_diff_mean": 1e-9,
+        "loss_abs_diff": 1e-9,
+        "grad_norm_rel_diff": 1e-7,
+        "grad_cosine_min": 1 - 1e-9,
+        "router_flip_rate": 0.0,
+        "param_drift": 1e-5,
+    },
+    "fp32": {
+        "logp_abs_diff_mean": 2e-5,
+        "logp_abs_diff_max": 5e-4,
+        "kl_k3_mean": 1e-8,
+        "entropy_abs_diff_mean": 2e-5,
+        "loss_abs_diff": 2e-5,
+        "grad_norm_rel_diff": 1e-3,
+        "grad_cosine_min": 0.999,
+        "router_flip_rate": 0.01,
+        "param_drift": 0.05,
+    },
+    "bf16": {
+        "logp_abs_diff_mean": 0.05,
+        "logp_abs_diff_max": 1.0,
+        "kl_k3_mean": 5e-3,
+        "entropy_abs_diff_mean": 0.05,
+        "loss_abs_diff": 0.02,
+        "grad_norm_rel_diff": 0.1,
+        "grad_cosine_min": 0.95,
+        "router_flip_rate": 0.1,
+        "param_drift": 0.5,
+    },
+}
+
+
+@dataclass(frozen=True)
+class AlignConfig:
+    """One `verl-moe align` run.
+
+    preset / model: a named preset (`presets.PRESETS`) or a local HF folder (`model` wins; the
+        preset then only shapes the batch stream). backends: backend names (see align_backends);
+        the first that runs is the golden. steps: K optimizer steps. out: output folder.
+    router_dtype: router dtype for every backend but the golden (None: each backend's default).
+    router_ablation: run each non-golden backend with a bf16, fp32 and fp64 router.
+    tolerances: (metric, value) overrides of DEFAULT_TOLERANCES. loss: grpo | gspo. seed: weights + stream.
+    batch_dump: a verl batch dump split into `steps` mini-batches instead of the generated stream.
+    stream: the generated stream's shape (None: the preset's). world_size: ranks of distributed
+        backends without `world=` (None: the preset's). train: optimizer / schedule / loss knobs.
+    old_logprob_noise: std of Gaussian noise added to the reference's θ0 log-probs to make
+        `old_log_probs` (0: on-policy, ratio 1 at step 0).
+    """
+
+    preset: str | None = "tiny-qwen3.5-moe"
+    model: str | None = None
+    backends: tuple[str, ...] = ("reference", "fsdp2")
+    steps: int = 5
+    out: str = "align_out"
+    router_dtype: str | None = None
+    router_ablation: bool = False
+    tolerances: tuple[tuple[str, float], ...] = ()
+    loss: str = "grpo"
+    seed: int = 0
+    batch_dump: str | None = None
+    stream: StreamSpec | None = None
+    world_size: int | None = None
+    train: ab.TrainSettings = field(default_factory=ab.TrainSettings)
+    old_logprob_noise: float = 0.0
+    progress: bool | None = None  # None: on when stdout is a terminal
+
+    def __post_init__(self):
+        if self.preset is None and self.model is None:
+            raise ValueError("give --preset or --model")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choices: {sorted(PRESETS)}")
+        if not self.backends:
+            raise ValueError("give at least one backend")
+        for b in self.backends:
+            ab.parse_backend(b)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.loss not in ab.LOSS_MODES:
+            raise ValueError(f"loss must be one of {list(ab.LOSS_MODES)}, got {self.loss!r}")
+        if self.router_dtype is not None and self.router_dtype not in ab.DTYPES:
+            raise ValueError(f"router_dtype must be one of {list(ab.DTYPES)}, got {self.router_dtype!r}")
+        if self.router_dtype is not None and self.router_ablation:
+            raise ValueError("router_dtype and router_ablation exclude each other")
+        for metric, _ in self.tolerances:
+            if metric not in METRICS:
+                raise ValueError(f"unknown tolerance metric {metric!r}; metrics: {list(METRICS)}")
+        if self.train.loss != self.loss:
+            object.__setattr__(self, "train", replace(self.train, loss=self.loss))
+
+
+# ---- run ---------------------------------------------------------------------------------------
+
+
+def expand_backends(cfg: AlignConfig) -> list[ab.BackendSpec]:
+    """The backend list after --router-dtype / --router-ablation (the first backend, the golden, is kept)."""
+    specs = [ab.parse_backend(b) for b in cfg.backends]
+    golden, others = specs[0], specs[1:]
+    if cfg.router_dtype:
+        others = [s if s.router else replace(s, router=cfg.router_dtype) for s in others]
+    if cfg.router_ablation:
+        others = [replace(s, router=r) for s in (others or [golden]) for r in ROUTER_ABLATION]
+    seen, out = set(), []
+    for s in [golden, *others]:
+        if s.label not in seen:
+            seen.add(s.label)
+            out.append(s)
+    return out
+
+
+def precision_class(a: BackendTrace, b: BackendTrace) -> str:
+    return min(a.settings["dtype"], b.settings["dtype"], key=PRECISIONS.index)
+
+
+def tolerances_for(cls: str, cfg: AlignConfig) -> dict[str, float]:
+    return {**DEFAULT_TOLERANCES[cls], **dict(cfg.tolerances)}
+
+
+def _prepare(cfg: AlignConfig, out: Path) -> tuple[Path, list[dict], dict, dict]:
+    preset = get_preset(cfg.preset) if cfg.preset else None
+    if cfg.model:
+        model_dir = Path(cfg.model)
+    else:
+        model_dir = create_model_dir(preset, cfg.seed, out / "model")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    if cfg.batch_dump:
+        stream, source = load_batch_dump(cfg.batch_dump, cfg.steps), str(cfg.batch_dump)
+    else:
+        spec = cfg.stream or (preset.stream if preset else StreamSpec())
+        stream, source = make_stream(spec, hf.vocab_size, cfg.steps, cfg.seed), f"generated (seed {cfg.seed})"
+    ab.fill_old_log_probs(model_dir, stream, cfg.train.temperature)
+    if cfg.old_logprob_noise > 0:
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        for batch in stream:
+            noise = torch.randn(batch["old_log_probs"].shape, generator=gen) * cfg.old_logprob_noise
+            batch["old_log_probs"] = batch["old_log_probs"] + noise * batch["response_mask"]
+    from safetensors import safe_open
+
+    num_params = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            num_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    model_info = {
+        "path": str(model_dir),
+        "preset": cfg.preset if not cfg.model else None,
+        "model_type": hf.model_type,
+        "num_parameters": num_params,
+    }
+    stream_info = {
+        "source": source,
+        "steps": len(stream),
+        "sequences": [int(b["input_ids"].shape[0]) for b in stream],
+        "tokens": [int(b["attention_mask"].sum()) for b in stream],
+        "response_tokens": [int(b["response_mask"].sum()) for b in stream],
+    }
+    return model_dir, stream, model_info, stream_info
+
+
+def run(cfg: AlignConfig) -> dict:
+    """Run every backend, compare each with the golden, write report.json and the plots."""
+    from .report import environment
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir, stream, model_info, stream_info = _prepare(cfg, out)
+    stream_path = out / "stream.pt"
+    torch.save(stream, stream_path)
+    preset = get_preset(cfg.preset) if cfg.preset else None
+    default_world = cfg.world_size or (preset.world_size if preset else 2)
+
+    specs = expand_backends(cfg)
+    traces: dict[str, BackendTrace] = {}
+    rows = []
+    with _progress(cfg) as progress:
+        for spec in specs:
+            world = 1 if spec.name == "reference" else (spec.world or default_world)
+            row = {
+                "label": spec.label,
+                "name": spec.name,
+                "status": "ok",
+                "reason": None,
+                "dtype": spec.compute_dtype,
+                "router_dtype": spec.router_dtype,
+                "world_size": world,
+                "wall_s": None,
+                "loss": [],
+                "grad_norm": [],
+            }
+            rows.append(row)
+            reason = ab.unavailable(spec)
+            if reason:
+                row.update(status="skipped", reason=reason)
+                continue
+            task = progress.add_task(spec.label, total=cfg.steps)
+            job = ab.Job(
+                backend=spec.label,
+                model_dir=str(ab.model_dir_for(spec, model_dir, out / "models")),
+                stream_path=str(stream_path),
+                trace_path=str(out / "traces" / f"{_slug(spec.label)}.pt"),
+                train=cfg.train,
+                world_size=world,
+            )
+            Path(job.trace_path).parent.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            try:
+                trace = ab.run_backend(job, out / "logs", lambda k, t=task: progress.update(t, completed=k))
+            except Exception as e:  # reported, and the run fails; other backends still run
+                row.update(status="failed", reason=f"{type(e).__name__}: {e}")
+                continue
+            finally:
+                row["wall_s"] = time.perf_counter() - start
+            traces[spec.label] = trace
+            row["loss"] = [s.loss for s in trace.steps]
+            row["grad_norm"] = [s.grad_norm for s in trace.steps]
+
+    ok_labels = [s.label for s in specs if s.label in traces]
+    golden = ok_labels[0] if ok_labels else None
+    pairs = []
+    for label in ok_labels[1:]:
+        a, b = traces[golden], traces[label]
+        cls = precision_class(a, b)
+        pair = compare(a, b, tolerances_for(cls, cfg))
+        pair["precision"] = cls
+        pair["ok"] = pair["first_divergence_step"] is None
+        pairs.append(pair)
+
+    plots = {}
+    if pairs:
+        plots["curves"] = str(plot_curves(pairs, out / "curves.png"))
+        plots["logp_hist"] = str(plot_logp_hist(traces, golden, [p["b"] for p in pairs], out / "logp_hist.png"))
+    failed = any(r["status"] == "failed" for r in rows)
+    ok = not failed and all(p["ok"] for p in pairs) and golden is not None
+    report = {
+        "schema": SCHEMA_VERSION,
+        "tool": "align",
+        "argv": list(sys.argv),
+        **environment(),
+        "config": _config_dict(cfg),
+        "model": model_info,
+        "stream": stream_info,
+        "golden": golden,
+        "backends": rows,
+        "pairs": pairs,
+        "router_ablation": {"router_dtypes": list(ROUTER_ABLATION)} if cfg.router_ablation else None,
+        "plots": plots,
+        "ok": ok,
+        "exit_code": 0 if ok else 1,
+    }
+    report = json_safe(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _slug(label: str) -> str:
+    return label.replace(":", "_").replace("=", "-").replace("/", "_")
+
+
+def _config_dict(cfg: AlignConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["tolerances"] = dict(cfg.tolerances)
+    return d
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def update(self, *a, **k):
+        pass
+
+
+def _progress(cfg: AlignConfig):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    show = cfg.progress if cfg.progress is not None else Console().is_terminal
+    if not show:
+        return _NoProgress()
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def main() -> None:
+    """`python -m verl_moe.tools.align ...`: the same options as `verl-moe align`."""
+    from .cli import app
+
+    app(args=["align", *sys.argv[1:]], prog_name="python -m verl_moe.tools.align")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Alignment presets (an HF config + random weights from a seed) and the deterministic RL batch stream.
+
+A preset names a model family, the HF config fields of a small model and the shape of the batch
+stream. `create_model_dir` writes an HF folder (config.json + safetensors) with weights drawn by
+transformers' own initialisation under a fixed seed, so every backend loads the same HF weights.
+
+The stream is a list of verl rollout batches in verl's left/right-padded layout (what
+`DataProto.batch` holds after rollout + advantage estimation):
+
+    prompts [B, P] left-padded, responses [B, R] right-padded, input_ids [B, P+R],
+    attention_mask [B, P+R], position_ids [B, P+R], response_mask [B, R],
+    advantages [B, R] fp32 (verl's GRPO outcome advantage over groups of `group_size`),
+    old_log_probs [B, R] fp32 (filled in by the align tool from the fp64 reference at θ0,
+    or taken from a verl batch dump).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PAD_ID = 0
+BATCH_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "advantages")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Shape of one RL step's batch: `num_prompts` prompts x `group_size` responses each,
+    lengths drawn uniformly from the inclusive ranges."""
+
+    num_prompts: int = 2
+    group_size: int = 4
+    prompt_len: tuple[int, int] = (3, 12)
+    response_len: tuple[int, int] = (2, 20)
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.group_size < 1:
+            raise ValueError(f"num_prompts and group_size must be >= 1, got {self.num_prompts}, {self.group_size}")
+        for name in ("prompt_len", "response_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prompts * self.group_size
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model + stream. `config` holds the HF config fields of `family`."""
+
+    name: str
+    family: str  # "qwen3_5_moe" | "qwen3_moe"
+    config: dict = field(hash=False)
+    stream: StreamSpec = StreamSpec()
+    needs_gpu: bool = False
+    world_size: int = 2  # ranks for the distributed backends
+
+
+_TINY_Q35 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,  # 3 GatedDeltaNet + 1 full attention (full_attention_interval 4)
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    initializer_range=0.05,
+)
+_TINY_Q3 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    initializer_range=0.05,
+)
+_MID_Q3 = dict(  # ~0.7B parameters: fits fp64 + Adam on one H200
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=2816,
+    moe_intermediate_size=256,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    initializer_range=0.02,
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny-qwen3.5-moe", "qwen3_5_moe", _TINY_Q35),
+        Preset("tiny-qwen3-moe", "qwen3_moe", _TINY_Q3),
+        Preset(
+            "mid-qwen3-moe",
+            "qwen3_moe",
+            _MID_Q3,
+            StreamSpec(num_prompts=8, group_size=4, prompt_len=(32, 256), response_len=(64, 512)),
+            needs_gpu=True,
+            world_size=1,
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choices: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def hf_config(preset: Preset):
+    """The transformers config object of `preset`."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
+
+    cls = {"qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_moe": Qwen3MoeConfig}[preset.family]
+    return cls(**preset.config)
+
+
+def create_model_dir(preset: Preset, seed: int, path: str | Path) -> Path:
+    """Write an HF folder for `preset` with transformers' initialisation under `seed` (fp32 weights)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config(preset), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def _grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = response_mask.sum(-1).long() - 1
+    rewards[torch.arange(len(scores)), last] = scores  # verl puts the outcome reward on the last token
+    index = np.repeat(np.arange(len(scores) // group_size), group_size)
+    advantages, _ = compute_grpo_outcome_advantage(rewards, response_mask.float(), index)
+    return advantages
+
+
+def make_batch(spec: StreamSpec, vocab_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One padded verl rollout batch of `spec.batch_size` sequences (no old_log_probs yet)."""
+
+    def lengths(lo_hi, n):
+        lo, hi = lo_hi
+        return torch.randint(lo, hi + 1, (n,), generator=generator)
+
+    b, g = spec.batch_size, spec.group_size
+    p_len = lengths(spec.prompt_len, spec.num_prompts).repeat_interleave(g)
+    r_len = lengths(spec.response_len, b)
+    p_max, r_max = int(p_len.max()), int(r_len.max())
+    prompts = torch.full((b, p_max), PAD_ID, dtype=torch.long)
+    responses = torch.full((b, r_max), PAD_ID, dtype=torch.long)
+    for i in range(spec.num_prompts):
+        n = int(p_len[i * g])
+        tokens = torch.randint(1, vocab_size, (n,), generator=generator)
+        prompts[i * g : (i + 1) * g, p_max - n :] = tokens  # the same prompt for the whole group
+    for i in range(b):
+        n = int(r_len[i])
+        responses[i, :n] = torch.randint(1, vocab_size, (n,), generator=generator)
+    prompt_mask = torch.arange(p_max) >= (p_max - p_len)[:, None]
+    response_mask = torch.arange(r_max) < r_len[:, None]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    scores = torch.randn(b, generator=generator)  # continuous rewards: no group has zero advantage
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0),
+        "response_mask": response_mask.long(),
+        "advantages": _grpo_advantages(scores, response_mask, g),
+    }
+
+
+def make_stream(spec: StreamSpec, vocab_size: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """`steps` batches, deterministic in `seed` (one per optimizer step)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [make_batch(spec, vocab_size, generator) for _ in range(steps)]
+
+
+def load_batch_dump(path: str | Path, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Split a verl batch dump into `steps` equal mini-batches (as verl splits a rollout batch).
+
+    `path` holds a `DataProto` written by `DataProto.save_to_disk`, or a dict / TensorDict of
+    padded tensors saved with `torch.save`; it needs the keys of `BATCH_KEYS` and may carry
+    `old_log_probs` (kept when present).
+    """
+    with open(path, "rb") as f:
+        is_torch_zip = f.read(2) == b"PK"
+    if is_torch_zip:
+        obj = torch.load(path, weights_only=False)
+    else:  # DataProto.save_to_disk pickles the object
+        import pickle
+
+        with open(path, "rb") as f:
+            obj = pickle.load(f)
+    batch = getattr(obj, "batch", obj)  # DataProto -> its TensorDict
+    missing = [k for k in BATCH_KEYS if k not in batch.keys()]
+    if missing:
+        raise ValueError(f"{path}: batch dump lacks {missing}; it needs {list(BATCH_KEYS)}")
+    keys = [*BATCH_KEYS, *(["old_log_probs"] if "old_log_probs" in batch.keys() else [])]
+    n = batch["input_ids"].shape[0]
+    if steps < 1 or n % steps:
+        raise ValueError(f"{path}: {n} sequences do not split into {steps} equal mini-batches")
+    size = n // steps
+    return [{k: torch.as_tensor(batch[k])[i * size : (i + 1) * size].clone() for k in keys} for i in range(steps)]
