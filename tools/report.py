@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -73,4 +74,5 @@ def render_table(title: str, columns: list[str], rows: list[dict]) -> None:
         table.add_column(c)
     for row in rows:
         table.add_row(*(_fmt(row.get(c, "")) for c in columns))
-    Console().print(table)
+    # Off a terminal (CI logs, device runs) rich would squeeze columns to 80 characters.
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
