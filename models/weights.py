@@ -176,6 +176,8 @@ def save_pretrained(model: MoeCausalLM, path: str | os.PathLike, max_shard_bytes
     root.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(model.config)
     config.dtype = next(model.parameters()).dtype
+    # verl's HFModelConfig (and transformers' AutoModel) pick the class from `architectures`.
+    config.architectures = [model.spec.hf_causal_lm]
     config.save_pretrained(str(root))
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():

@@ -37,6 +37,7 @@ def test_save_then_transformers_loads_identical(family, tmp_path):
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in keys and not any("gate_up_proj" in k for k in keys)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(hf).__name__ == model.spec.hf_causal_lm
+    assert transformers.AutoConfig.from_pretrained(tmp_path).architectures == [model.spec.hf_causal_lm]
     assert_same_state(hf.state_dict(), model.state_dict())
     # and back through our loader
     assert_same_state(vm.from_pretrained(tmp_path).state_dict(), model.state_dict())
