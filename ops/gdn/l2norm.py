@@ -1,0 +1,147 @@
+"""q/k l2-normalisation factors, and the q/k gradient epilogue.
+
+Forward (use_qk_l2norm_in_kernel): rstd = 1 / sqrt(sum(x^2) + 1e-6) per (token, head); the stage
+kernels apply it to raw q/k in fp32 (see `common._gdn_rstd`), so normalised q/k never exist.
+Backward: the chunk stages produce gradients for the normalised q/k per value head ([T, HV, K] fp32,
+no atomics); here the HV // H value heads of each q/k head are summed, then the l2norm backward
+dx = rstd * (dx_n - x_n (x_n . dx_n)), x_n = x * rstd, is applied when the forward normalised.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import MAX_SHAPES, cdiv, grid_1d, launch, next_pow2
+
+L2NORM_CONFIGS = [{"BR": 32, "num_warps": 4}]
+QK_BWD_CONFIGS = [{"BR": 32, "num_warps": 4}]
+EPS = 1e-6
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gdn_l2norm_fwd_kernel(x, rstd, n_rows, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
+    """One program per block of BR rows of x [rows, K] (1-D grid, looping): rstd [rows] fp32."""
+    i_p = tl.program_id(0)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    for i_blk in range(i_p, tl.cdiv(n_rows, BR), tl.num_programs(0)):
+        o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
+        m = (o_r < n_rows)[:, None] & m_k[None, :]
+        b_x = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(rstd + o_r, 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) + EPS), mask=o_r < n_rows)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gdn_qk_bwd_kernel(
+    dx_a,
+    dx_b,
+    x,
+    rstd,
+    dx,
+    n_rows,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    HAS_B: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """One program per block of BR q/k rows (token, head) (1-D grid, looping): sums the G value-head
+    gradients dx_a (+ dx_b) [rows * G, K] fp32 and applies the l2norm backward -> dx [rows, K]."""
+    i_p = tl.program_id(0)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    for i_blk in range(i_p, tl.cdiv(n_rows, BR), tl.num_programs(0)):
+        o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
+        m = (o_r < n_rows)[:, None] & m_k[None, :]
+        b_d = tl.zeros([BR, BK], dtype=tl.float32)
+        for i_g in range(0, G):
+            p = (o_r * G + i_g)[:, None] * K + o_k[None, :]
+            b_d += tl.load(dx_a + p, mask=m, other=0.0)
+            if HAS_B:
+                b_d += tl.load(dx_b + p, mask=m, other=0.0)
+        if L2NORM:
+            b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.0)
+            b_xn = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+            b_d = b_r[:, None] * (b_d - b_xn * tl.sum(b_xn * b_d, 1)[:, None])
+        tl.store(dx + o_r[:, None] * K + o_k[None, :], b_d.to(dx.dtype.element_ty), mask=m)
+
+
+def _rows_meta(shape: dict) -> dict:
+    return {"BK": next_pow2(shape["K"])}
+
+
+def _rows_grid(meta: dict) -> tuple[int]:
+    return grid_1d(cdiv(meta["n_rows"], meta["BR"]))
+
+
+def _max_rows(shape: dict) -> dict:
+    return {"n_rows": shape["T"] * shape["H"]}
+
+
+KERNEL_LAUNCHES = {
+    "_gdn_l2norm_fwd_kernel": {
+        "configs": L2NORM_CONFIGS,
+        "meta": _rows_meta,
+        "grid": _rows_grid,
+        "runtime": _max_rows,
+        "max_shapes": MAX_SHAPES,
+    },
+    "_gdn_qk_bwd_kernel": {
+        "configs": QK_BWD_CONFIGS,
+        "meta": _rows_meta,
+        "grid": _rows_grid,
+        "runtime": _max_rows,
+        "max_shapes": MAX_SHAPES,
+    },
+}
+
+
+def gdn_l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, K] -> rstd [B, T, H] fp32, 1 / sqrt(sum(x^2) + 1e-6)."""
+    K = x.shape[-1]
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() > 0:
+        launch(
+            _gdn_l2norm_fwd_kernel,
+            L2NORM_CONFIGS,
+            ["K"],
+            _rows_grid,
+            x=x,
+            rstd=rstd,
+            n_rows=x.numel() // K,
+            K=K,
+            EPS=EPS,
+            **_rows_meta({"K": K}),
+        )
+    return rstd
+
+
+def gdn_qk_bwd(
+    dx_a: torch.Tensor, dx_b: torch.Tensor | None, x: torch.Tensor, rstd: torch.Tensor | None
+) -> torch.Tensor:
+    """dx_a (+ dx_b) [B, T, HV, K] fp32 gradients of the normalised x, x [B, T, H, K] raw, rstd [B, T, H]
+    or None (no l2norm) -> dx [B, T, H, K] in x's dtype."""
+    B, T, H, K = x.shape
+    dx = torch.empty_like(x)
+    if dx.numel() > 0:
+        launch(
+            _gdn_qk_bwd_kernel,
+            QK_BWD_CONFIGS,
+            ["G", "K"],
+            _rows_grid,
+            dx_a=dx_a,
+            dx_b=dx_b,
+            x=x,
+            rstd=rstd,
+            dx=dx,
+            n_rows=B * T * H,
+            G=dx_a.shape[2] // H,
+            K=K,
+            HAS_B=dx_b is not None,
+            L2NORM=rstd is not None,
+            **_rows_meta({"K": K}),
+        )
+    return dx

@@ -1,0 +1,335 @@
+"""WY representation of the chunked gated delta rule, forward and backward.
+
+Forward, per chunk and value head (Ai = (I + A)^-1 from `solve.py`):
+    W = Ai diag(beta exp(G)) K   [BT, K]      U = Ai diag(beta) V   [BT, V]
+Backward, given dW and dU (= dv_new) from the state/output stages, through W, U and
+A = diag(beta) (K K^T * exp(G_i - G_j)) (strictly lower) to dk, dv, dbeta and the log-decay,
+then the reverse in-chunk cumsum to dg and, for the in-kernel gate, to da / dA_log.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
+from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
+
+WU_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
+WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 4}]
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def _gdn_wy_fwd_kernel(
+    k,
+    rk,
+    v,
+    beta,
+    gc,
+    Ai,
+    w,
+    u,
+    cu_seqlens,
+    chunk_table,
+    n_chunks,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One program per (chunk, value head) tile (1-D grid, looping): w = Ai (beta exp(G) k) and
+    u = Ai (beta v), written in k's dtype."""
+    i_p = tl.program_id(0)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    for i_tile in range(i_p, n_chunks * HV, tl.num_programs(0)):
+        i_c, i_hv = i_tile // HV, i_tile % HV
+        t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
+        m_t = o_t < n_left
+        p_tok = (t0 + o_t) * HV + i_hv
+        b_beta = tl.load(beta + p_tok, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
+        p_Ai = Ai + (t0 * HV + i_hv) * BT
+        i_h = i_hv // (HV // H)
+        b_r = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
+        p_k = k + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+        b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_kb = (b_k * (b_beta * tl.exp(b_g) * b_r)[:, None]).to(DT)
+        b_w = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(DT), b_kb, input_precision=DOT_PREC)
+        tl.store(w + p_tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_v = tl.load(v + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_vb = (b_v * b_beta[:, None]).to(DT)
+            # Ai reloaded per dot: Ascend's tl.dot may overwrite its left operand.
+            b_u = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(DT), b_vb, input_precision=DOT_PREC)
+            tl.store(u + p_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit(do_not_specialize=["n_chunks", "n_tokens"])
+def _gdn_wy_bwd_kernel(
+    k,
+    rk,
+    v,
+    beta,
+    gc,
+    Ai,
+    dw,
+    dvn,
+    dgam,
+    dgl,
+    a,
+    A_log,
+    dt_bias,
+    dk,
+    dv,
+    dbeta,
+    dg,
+    dA_log_tok,
+    cu_seqlens,
+    chunk_table,
+    n_chunks,
+    n_tokens,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    NK: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One program per (chunk, value head) tile (1-D grid, looping). From dW [T, HV, K] and
+    dU = dv_new [T, HV, V]: dk (WY part, fp32, per value head), dv, dbeta, and the log-decay
+    gradient: dgam [NK, T, HV] and dgl [NK, NT, HV] (partials from the output stage) plus this
+    stage's terms, reverse-cumsummed in the chunk -> dg (or da and dA_log per token)."""
+    i_p = tl.program_id(0)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_lo = o_t[:, None] > o_t[None, :]
+    for i_tile in range(i_p, n_chunks * HV, tl.num_programs(0)):
+        i_c, i_hv = i_tile // HV, i_tile % HV
+        t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
+        m_t = o_t < n_left
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tok = (t0 + o_t) * HV + i_hv
+        b_beta = tl.load(beta + p_tok, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
+        b_eg = tl.where(m_t, tl.exp(b_g), 0.0)
+        p_Ai = Ai + (t0 * HV + i_hv) * BT
+        i_h = i_hv // (HV // H)
+        p_k = k + (t0 + o_t) * (H * K) + i_h * K
+        b_r = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
+        b_s = b_beta * b_eg * b_r  # W's row scale on the raw keys
+
+        # dU -> dv, dbeta; dT = dU (beta V)^T accumulated over V blocks.
+        b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dbeta = tl.zeros([BT], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_dvn = tl.load(dvn + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_v = tl.load(v + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_vt = tl.load(v + p_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+            b_dvb = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(DT), b_dvn.to(DT), input_precision=DOT_PREC)
+            tl.store(
+                dv + p_tok[:, None] * V + o_v[None, :], (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv
+            )
+            b_dbeta += tl.sum(b_v * b_dvb, 1)
+            b_vbt = (b_vt * b_beta[None, :]).to(DT)
+            b_dT += tl.dot(b_dvn.to(DT), b_vbt, input_precision=DOT_PREC)
+
+        # dW (beta exp(G) K)^T; K K^T for the A terms.
+        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
+        b_kt = tl.load(p_k[None, :] + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_dw = tl.load(dw + p_tok[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_kk = tl.dot(b_k.to(DT), b_kt.to(DT), input_precision=DOT_PREC) * b_r[:, None] * b_r[None, :]
+        b_kbt = (b_kt * b_s[None, :]).to(DT)
+        b_dT += tl.dot(b_dw.to(DT), b_kbt, input_precision=DOT_PREC)
+
+        # dA = -(Ai^T dT Ai^T), strictly lower, valid rows only.
+        b_x = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32), b_dT, input_precision=DOT_PREC)
+        b_dA = -tl.dot(b_x, _gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32), input_precision=DOT_PREC)
+        b_decay = _gdn_decay(b_g, b_g, m_lo & m_t[:, None] & m_t[None, :])
+        b_dA = b_dA * b_decay  # dA_ij exp(G_i - G_j); zero off the strictly-lower valid part
+        b_z = b_dA * b_kk
+        b_dbeta += tl.sum(b_z, 1)
+        b_z = b_z * b_beta[:, None]  # dA * A
+        b_dgam = tl.sum(b_z, 1) - tl.sum(b_z, 0)
+        b_y = b_dA * b_beta[:, None]
+        # Y + Y^T through one [BT, BT] fp32 transpose (16 KiB, declared in KERNEL_LAUNCHES): a second
+        # dA^T = -(Ai dT^T Ai) chain would double this kernel's tl.dot work.
+        b_y = b_y + tl.trans(b_y)
+
+        # dk = beta exp(G) (Ai^T dW) + (Y + Y^T) K.
+        # dW reloaded: it was a left tl.dot operand above.
+        b_dw = tl.load(dw + p_tok[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dkb = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(DT), b_dw.to(DT), input_precision=DOT_PREC)
+        b_kf = tl.load(p_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk = tl.dot(b_y * b_r[None, :], b_kf.to(tl.float32), input_precision=DOT_PREC)
+        b_kdkb = tl.sum(b_kf.to(tl.float32) * b_dkb, 1) * b_r
+        b_dk += b_dkb * (b_beta * b_eg)[:, None]
+        b_dbeta += b_eg * b_kdkb
+        b_dgam += b_beta * b_eg * b_kdkb
+        tl.store(dk + p_tok[:, None] * K + o_k[None, :], b_dk, mask=m_tk)
+        tl.store(dbeta + p_tok, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+
+        # Log-decay: the output stage's partials, then dg_i = sum_{j >= i} dG_j + dG_last.
+        b_dgl = 0.0
+        for i_k in range(0, NK):
+            b_dgam += tl.load(dgam + i_k * n_tokens * HV + p_tok, mask=m_t, other=0.0)
+            b_dgl += tl.load(dgl + (i_k * n_chunks + i_c) * HV + i_hv)
+        b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgam[None, :], 0.0), 1) + b_dgl
+        if GATE_IN_KERNEL:
+            b_x = tl.load(a + p_tok, mask=m_t, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+            b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            b_sig = 1.0 / (1.0 + tl.exp(-b_x))
+            b_y1 = tl.exp(tl.minimum(b_x, 20.0))
+            b_u1 = 1.0 + b_y1
+            b_sp = tl.where(b_u1 == 1.0, b_y1, tl.log(b_u1) * b_y1 / (b_u1 - 1.0))
+            b_sp = tl.where(b_x > 20.0, b_x, b_sp)
+            tl.store(dg + p_tok, (-b_A * b_sig * b_dg).to(dg.dtype.element_ty), mask=m_t)
+            tl.store(dA_log_tok + p_tok, -b_A * b_sp * b_dg, mask=m_t)
+        else:
+            tl.store(dg + p_tok, b_dg.to(dg.dtype.element_ty), mask=m_t)
+
+
+def _wy_meta(shape: dict) -> dict:
+    return {"BT": BT, "BK": next_pow2(shape["K"]), "NK": cdiv(shape["K"], 64)}
+
+
+def _wy_grid(meta: dict) -> tuple[int]:
+    return grid_1d(meta["n_chunks"] * meta["HV"])
+
+
+def _wy_max_tiles(shape: dict) -> dict:
+    return {"n_chunks": cdiv(shape["T"], BT) + shape["N"]}
+
+
+KERNEL_LAUNCHES = {
+    "_gdn_wy_fwd_kernel": {
+        "configs": WU_CONFIGS,
+        "meta": _wy_meta,
+        "grid": _wy_grid,
+        "runtime": _wy_max_tiles,
+        "max_shapes": MAX_SHAPES,
+    },
+    "_gdn_wy_bwd_kernel": {
+        "trans": {"b_y": ("BT", "BT")},
+        "configs": WY_BWD_CONFIGS,
+        "meta": _wy_meta,
+        "grid": _wy_grid,
+        "runtime": _wy_max_tiles,
+        "max_shapes": MAX_SHAPES,
+    },
+}
+
+
+def gdn_wy_fwd(
+    k: torch.Tensor, rk, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Ai: torch.Tensor, plan: ChunkPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K], u [B, T, HV, V]."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+    u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
+    meta = _wy_meta({"K": K})
+    meta.pop("NK")
+    if plan.NT > 0:
+        launch(
+            _gdn_wy_fwd_kernel,
+            WU_CONFIGS,
+            ["H", "HV", "K", "V"],
+            _wy_grid,
+            k=k,
+            rk=rk,
+            v=v,
+            beta=beta,
+            gc=gc,
+            Ai=Ai,
+            w=w,
+            u=u,
+            cu_seqlens=plan.cu_seqlens,
+            chunk_table=plan.chunk_table,
+            n_chunks=plan.NT,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            L2NORM=rk is not None,
+            DT=dot_dtype(k.dtype),
+            DOT_PREC=dot_precision(k.dtype),
+            **meta,
+        )
+    return w, u
+
+
+def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dgam, dgl, gate, g_dtype, plan: ChunkPlan):
+    """Backward of the WY stage and of the gate.
+    k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT], dw [B, T, HV, K],
+    dvn [B, T, HV, V], dgam [NK, B, T, HV] fp32, dgl [NK, NT, HV] fp32, gate (a, A_log, dt_bias) or None
+    -> dk [B, T, HV, K] fp32 (per value head), dv (v dtype), dbeta (beta dtype),
+    dg [B, T, HV] (g_dtype; da for the in-kernel gate), dA_log_tok [B, T, HV] fp32 or None."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    dg = torch.empty(B, T, HV, dtype=g_dtype, device=k.device)
+    a, A_log, dt_bias = gate if gate is not None else (None, None, None)
+    dA_log_tok = torch.empty(B, T, HV, dtype=torch.float32, device=k.device) if gate is not None else None
+    meta = _wy_meta({"K": K})
+    if plan.NT > 0:
+        launch(
+            _gdn_wy_bwd_kernel,
+            WY_BWD_CONFIGS,
+            ["H", "HV", "K", "V"],
+            _wy_grid,
+            k=k,
+            rk=rk,
+            v=v,
+            beta=beta,
+            gc=gc,
+            Ai=Ai,
+            dw=dw,
+            dvn=dvn,
+            dgam=dgam,
+            dgl=dgl,
+            a=a,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            dk=dk,
+            dv=dv,
+            dbeta=dbeta,
+            dg=dg,
+            dA_log_tok=dA_log_tok,
+            cu_seqlens=plan.cu_seqlens,
+            chunk_table=plan.chunk_table,
+            n_chunks=plan.NT,
+            n_tokens=B * T,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            GATE_IN_KERNEL=gate is not None,
+            L2NORM=rk is not None,
+            DT=dot_dtype(k.dtype),
+            DOT_PREC=dot_precision(k.dtype),
+            **meta,
+        )
+    return dk, dv, dbeta, dg, dA_log_tok
