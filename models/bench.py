@@ -62,6 +62,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     config = reduced_config(case["layers"])
     ours = build(config, dtype=torch.bfloat16, device=device)
     config._attn_implementation = "sdpa"
+    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (as in ENVIRONMENT.md)
     hf = Qwen3_5MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     hf.load_state_dict(ours.state_dict(), strict=True)
     T, N = case["tokens"], case.get("sequences", 1)

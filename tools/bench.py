@@ -82,7 +82,7 @@ def run(cfg: BenchConfig) -> dict:
         if reason:
             skipped[p] = reason
     active = [p for p in providers if p not in skipped]
-    for case in cases:
+    for case in cases if active else []:
         for mode in cfg.modes or bench.MODES:
             inputs = bench.make_inputs(case, dev)
             ref_out = None
