@@ -32,7 +32,9 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
         mixed_precision: {"param_dtype", "reduce_dtype"} ("bf16"/"fp32"); None = bf16 / fp32.
             The router always computes and reduces in fp32.
         reshard_after_forward, param_offload, optimizer_offload, offload_policy: as in verl.
-        ulysses_sequence_parallel_size: must divide the world and every head count.
+        ulysses_sequence_parallel_size: Ulysses SP group size; must divide the world, the query
+            heads and the GatedDeltaNet key / value heads (attention kv heads may also divide it:
+            they are then repeated).
         use_no_sync_for_gradient_accumulation: reduce-scatter once per mini-batch.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
     """
@@ -64,23 +66,6 @@ def arch_config(hf_config) -> ArchConfig:
     return spec.arch_config(spec.text_config(hf_config))
 
 
-def sequence_parallel_problems(arch: ArchConfig, sp: int) -> dict[str, int]:
-    """Head counts Ulysses SP of size `sp` cannot split: query heads and GatedDeltaNet key / value
-    heads (with their conv channels) must divide by `sp`; attention key/value heads must divide
-    by `sp` or divide `sp` (then each rank gets a replicated kv head)."""
-    problems = {}
-    if arch.num_attention_heads % sp:
-        problems["num_attention_heads"] = arch.num_attention_heads
-    kv = arch.num_key_value_heads
-    if kv % sp and sp % kv:
-        problems["num_key_value_heads"] = kv
-    if "linear_attention" in arch.layer_types:
-        for name in ("linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(arch, name) % sp:
-                problems[name] = getattr(arch, name)
-    return problems
-
-
 def validate_engine_config(model_config, engine_config: FSDPEngineConfig, world_size: int) -> None:
     """Raise ValueError on a configuration MoeFsdp2Engine cannot run, before any model is built."""
     if engine_config.strategy not in SERVED_STRATEGIES:
@@ -94,11 +79,9 @@ def validate_engine_config(model_config, engine_config: FSDPEngineConfig, world_
     sp = engine_config.ulysses_sequence_parallel_size
     if sp < 1 or world_size % sp:
         raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}")
-    if sp > 1:
-        bad = sequence_parallel_problems(arch, sp)
-        if bad:
-            raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the head counts {bad}")
-        raise ValueError("ulysses_sequence_parallel_size > 1 is not implemented by MoeFsdp2Engine yet")
+    bad = arch.sequence_parallel_problems(sp)
+    if bad:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the head counts {bad}")
     for name in (
         "micro_batch_size_per_gpu",
         "infer_micro_batch_size_per_gpu",

@@ -7,6 +7,15 @@ model config asks for it); each MoE router is its own unit that keeps the master
 for compute and gradient reduction; the root unit holds embeddings, final norm and lm_head,
 and wraps the fused log-prob head (`core.LogProbModel`) so the head sees unsharded weights.
 
+Ulysses sequence parallelism (`ulysses_sequence_parallel_size` = sp > 1): a second ("dp", "sp")
+mesh groups consecutive ranks into SP groups that share one batch (verl dispatches by the dp
+rank, and collects from SP rank 0). FSDP still shards over every rank, as verl's FSDP engine
+does: the ranks of an SP group need the same parameters anyway, so sharding over dp only would
+just hold sp copies. Each rank runs its slice of every packed micro-batch (`engines/ulysses.py`)
+and gathers the per-token log-probs, so all SP ranks compute the same loss; the gather's
+backward sums the sp identical gradients, and FSDP's average over dp x sp ranks turns that sum
+back into exactly the data-parallel gradient.
+
 Weights: every rank builds the spec on the meta device, shards it, allocates its shards, and
 rank 0 reads the HF folder and broadcasts (`set_model_state_dict(broadcast_from_rank0=True)`).
 
@@ -36,6 +45,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines import core
 from verl_moe.engines.config import ops_config, precision_dtypes, validate_engine_config
+from verl_moe.engines.ulysses import UlyssesGroup, packed_log_probs
 from verl_moe.models import build, from_pretrained, to_vllm_named_tensors
 from verl_moe.models.layers import TopKRouter
 from verl_moe.ops import device
@@ -48,6 +58,17 @@ def build_fsdp_mesh(world_size: int, fsdp_size: int) -> DeviceMesh:
     if fsdp_size == -1 or fsdp_size >= world_size:
         return init_device_mesh(device.device_type(), (world_size,), mesh_dim_names=("fsdp",))
     return init_device_mesh(device.device_type(), (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def build_data_sequence_mesh(world_size: int, sp: int) -> tuple[dist.ProcessGroup, int, UlyssesGroup | None]:
+    """(data-parallel group, data-parallel rank, Ulysses group or None) of a ("dp", "sp") layout:
+    consecutive ranks form one SP group (as in verl's FSDP engine); with sp == 1 the data-parallel
+    group is the world and no extra mesh is built."""
+    if sp == 1:
+        return dist.group.WORLD, dist.get_rank(), None
+    mesh = init_device_mesh(device.device_type(), (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
+    group = UlyssesGroup(group=mesh["sp"].get_group(), size=sp, rank=mesh["sp"].get_local_rank())
+    return mesh["dp"].get_group(), mesh["dp"].get_local_rank(), group
 
 
 class _ModeCtx(BaseEngineCtx):
@@ -85,6 +106,9 @@ class MoeFsdp2Engine(BaseEngine):
         self.device = device.current_device()
         self.master_dtype, self.compute_dtype, self.reduce_dtype = precision_dtypes(engine_config)
         self.mesh = build_fsdp_mesh(world_size, engine_config.fsdp_size)
+        self.dp_group, self.dp_rank, self.sequence_parallel = build_data_sequence_mesh(
+            world_size, engine_config.ulysses_sequence_parallel_size
+        )
         self.module: core.LogProbModel | None = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -99,6 +123,7 @@ class MoeFsdp2Engine(BaseEngine):
 
         ops = ops_config(self.engine_config)
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", ops=ops)
+        model.set_sequence_parallel(self.sequence_parallel)
         module = core.LogProbModel(model, logprobs_and_entropy)
         self._shard(module)
         module.to_empty(device=self.device)
@@ -226,11 +251,13 @@ class MoeFsdp2Engine(BaseEngine):
             default_size, default_tokens = ec.infer_micro_batch_size_per_gpu, ec.infer_max_token_len_per_gpu
         else:
             default_size, default_tokens = ec.micro_batch_size_per_gpu, ec.max_token_len_per_gpu
+        max_token_len = tu.get_non_tensor_data(data, "max_token_len_per_gpu", default_tokens)
         indices = core.split_micro_batches(
             data["input_ids"].offsets().diff().tolist(),
             use_dynamic_bsz=bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", ec.use_dynamic_bsz)),
             micro_batch_size=tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", default_size),
-            max_token_len=tu.get_non_tensor_data(data, "max_token_len_per_gpu", default_tokens),
+            # an SP group shares one micro-batch over its ranks: verl's budget is per rank
+            max_token_len=None if max_token_len is None else max_token_len * ec.ulysses_sequence_parallel_size,
             dp_group=dp_group,
         )
         defer_sync = self.engine_config.use_no_sync_for_gradient_accumulation
@@ -240,7 +267,9 @@ class MoeFsdp2Engine(BaseEngine):
             if not forward_only:
                 self.module.set_requires_gradient_sync(i == len(indices) - 1 or not defer_sync)
             packed = core.pack_micro_batch(micro_batch, self.device)
-            log_probs, entropy = self.module(packed, calculate_entropy, not forward_only)
+            log_probs, entropy = packed_log_probs(
+                self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
+            )
             model_output = {"log_probs": core.unpack_to_nested(log_probs, packed)}
             if entropy is not None:
                 model_output["entropy"] = core.unpack_to_nested(entropy, packed)
@@ -288,13 +317,14 @@ class MoeFsdp2Engine(BaseEngine):
     # ---- parallel layout ---------------------------------------------------------------------
 
     def get_data_parallel_size(self):
-        return dist.get_world_size()
+        """Ranks holding different data: the world over the sequence-parallel size."""
+        return dist.get_world_size() // self.engine_config.ulysses_sequence_parallel_size
 
     def get_data_parallel_rank(self):
-        return dist.get_rank()
+        return self.dp_rank
 
     def get_data_parallel_group(self):
-        return dist.group.WORLD
+        return self.dp_group
 
     # ---- placement and checkpoints -----------------------------------------------------------
 
@@ -361,5 +391,6 @@ class MoeFsdp2Engine(BaseEngine):
             )
 
     def is_mp_src_rank_with_outputs(self):
-        """Every rank holds outputs (no tensor / pipeline / sequence parallelism yet)."""
-        return True
+        """True on the first rank of each sequence-parallel group (every rank without SP): the ranks
+        of one group hold the same gathered outputs, and verl collects one copy per data-parallel rank."""
+        return self.sequence_parallel is None or self.sequence_parallel.rank == 0

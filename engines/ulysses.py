@@ -15,10 +15,12 @@ trades tokens for heads around its sequence op:
                 with the matching rows of conv1d.weight, A_log and dt_bias; beta / g / z follow
                 their value heads; the output goes heads_to_seq before out_proj.
 
-What the model side must add (models/, not here): `MoeCausalLM.set_sequence_parallel(group:
-UlyssesGroup | None)` storing the group on every Attention and GatedDeltaNet, and in their
-`forward`, when it is set, the exchanges above (the per-rank parameter slices are views of the
-unsharded parameters inside the FSDP unit, so gradients land in the right rows).
+The model side: `MoeCausalLM.set_sequence_parallel(group)` stores the group on every Attention
+and GatedDeltaNet, whose `forward` makes the exchanges above (`seq_to_heads_many`: one
+all-to-all per token mixer); the per-rank parameter slices are views of the unsharded parameters
+inside the FSDP unit, so gradients land in the right rows. The engine side: `packed_log_probs`
+slices a micro-batch, runs the model and the log-prob head on this rank's tokens and gathers
+the per-token results, so every rank of the group computes the same loss.
 
 Alphabet: B batch (1 when packed), T tokens, H heads, K head dim, C channels.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from verl_moe.engines.core import PackedBatch
+from verl_moe.engines.core import LogProbModel, PackedBatch
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,23 @@ class UlyssesGroup:
         received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
         # received[j] = rank j's tokens for my heads: tokens in rank order
         return received.movedim(0, 1).reshape(B, self.size * t, H // self.size, *rest)
+
+    def seq_to_heads_many(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Several [B, T/size, H_i, ...] tensors of one dtype -> [B, T, H_i/size, ...] each, in one
+        all-to-all (one collective per token mixer instead of one per tensor)."""
+        B, t = xs[0].shape[:2]
+        for x in xs:
+            if x.shape[:2] != (B, t) or x.dtype != xs[0].dtype:
+                raise ValueError(f"tensors to exchange must share [B, T/size] and dtype, got {[x.shape for x in xs]}")
+            if x.shape[2] % self.size:
+                raise ValueError(f"{x.shape[2]} heads do not split over sequence-parallel size {self.size}")
+        # chunk j of every tensor's heads, side by side, is what rank j receives
+        received = self.seq_to_heads(torch.cat([x.reshape(B, t, self.size, -1) for x in xs], dim=-1))
+        widths = [x[0, 0].numel() // self.size for x in xs]
+        return tuple(
+            part.reshape(B, t * self.size, x.shape[2] // self.size, *x.shape[3:])
+            for part, x in zip(received.split(widths, dim=-1), xs)
+        )
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H/size, ...] -> [B, T/size, H, ...] (the inverse all-to-all; differentiable)."""
@@ -115,3 +134,16 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
         ),
         pad,
     )
+
+
+def packed_log_probs(
+    module: LogProbModel, packed: PackedBatch, sp: UlyssesGroup | None, calculate_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`module` (the spec + log-prob head) over a whole packed row: (log_probs [T], entropy [T] or
+    None), fp32. Under SP each rank runs its slice (`slice_packed`) and every rank gets all T
+    values back (`gather_tokens`), so the loss sees the micro-batch exactly as without SP."""
+    if sp is None:
+        return module(packed, calculate_entropy, entropy_grad)
+    local, pad = slice_packed(packed, sp)
+    log_probs, entropy = module(local, calculate_entropy, entropy_grad)
+    return sp.gather_tokens(log_probs, pad), None if entropy is None else sp.gather_tokens(entropy, pad)

@@ -120,6 +120,23 @@ class ArchConfig:
         if "dense" in self.mlp_types and self.intermediate_size <= 0:
             raise ValueError(f"dense MLP layers need intermediate_size > 0, got {self.intermediate_size}")
 
+    def sequence_parallel_problems(self, sp: int) -> dict[str, int]:
+        """Head counts Ulysses SP of size `sp` cannot split, by field name (empty when it can):
+        query heads and GatedDeltaNet key / value heads (with their conv channels) must divide by
+        `sp`; attention key/value heads must divide by `sp` or divide `sp` (each rank then gets
+        one replicated kv head)."""
+        problems = {}
+        if self.num_attention_heads % sp:
+            problems["num_attention_heads"] = self.num_attention_heads
+        kv = self.num_key_value_heads
+        if kv % sp and sp % kv:
+            problems["num_key_value_heads"] = kv
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(self, name) % sp:
+                    problems[name] = getattr(self, name)
+        return problems
+
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layer_types)

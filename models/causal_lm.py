@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from .layers import Attention, DenseMLP, MoeBlock, ResolvedOps, RMSNorm
 from .ops_config import OpsConfig
 from .qwen3_5_moe.model import GatedDeltaNet
 from .registry import ModelSpec, get_spec
+
+if TYPE_CHECKING:
+    from ..engines.ulysses import UlyssesGroup
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,21 @@ class MoeCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.sequence_parallel: UlyssesGroup | None = None
+
+    def set_sequence_parallel(self, group: UlyssesGroup | None) -> None:
+        """Run the token mixers Ulysses-parallel over `group` (None: off). Afterwards `forward` takes
+        this rank's contiguous share of one packed row (input_ids / position_ids [1, T/sp]) with
+        `cu_seqlens` of the whole row, and returns hidden states of those tokens. Raises ValueError
+        when the group's size does not split the head counts."""
+        if group is not None:
+            bad = self.arch.sequence_parallel_problems(group.size)
+            if bad:
+                raise ValueError(f"sequence-parallel size {group.size} does not divide the head counts {bad}")
+        self.sequence_parallel = group
+        for module in self.modules():
+            if isinstance(module, Attention | GatedDeltaNet):
+                module.sequence_parallel = group
 
     def forward(
         self,
@@ -151,7 +170,10 @@ class MoeCausalLM(nn.Module):
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"packed input (cu_seqlens) needs B == 1, got B={B}")
-            check_cu_seqlens(cu_seqlens, T)
+            # under sequence parallelism cu_seqlens describes the whole row, of which T is one share
+            check_cu_seqlens(cu_seqlens, T * (self.sequence_parallel.size if self.sequence_parallel else 1))
+        elif self.sequence_parallel is not None:
+            raise ValueError("sequence-parallel forward needs packed input (cu_seqlens)")
 
 
 def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:

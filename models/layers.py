@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchConfig
+
+if TYPE_CHECKING:
+    from ..engines.ulysses import UlyssesGroup
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
         self.k_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
         self.ops = ops
+        self.sequence_parallel: UlyssesGroup | None = None  # set by MoeCausalLM.set_sequence_parallel
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> torch.Tensor:
-        """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; returns [B, T, D]."""
+        """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; returns [B, T, D]. Under sequence parallelism
+        T is this rank's share of the packed row and cu_seqlens describes the whole row."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, -1)
         if self.output_gate:
@@ -85,7 +91,13 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, cos, sin)
+        sp = self.sequence_parallel
+        if sp is not None:
+            # attention needs whole sequences: trade tokens for heads (the gate stays per token)
+            q, k, v = sp.seq_to_heads_many(q, sp.expand_kv_heads(k), sp.expand_kv_heads(v))
         o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens)
+        if sp is not None:
+            o = sp.heads_to_seq(o)
         o = o.reshape(B, T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate.reshape(B, T, -1))

@@ -10,6 +10,13 @@ import torch
 from verl_moe.ops import device
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# verl picks its platform once per process, at the first use; any test module that imports verl
+# may trigger that during collection, so the choice must be made here, before all of them.
+if not device.is_accelerator():
+    os.environ.setdefault("VERL_PLATFORM", "cpu")
+    # Triton kernels run in the interpreter on CPU. `triton.jit` reads this when a kernel module is
+    # first imported, and any test module may import one during collection: decide it here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,15 +45,20 @@ def write_tiny_model(path: str, seed: int = 0) -> str:
     return path
 
 
-def make_batch(batch_size: int, prompt_len: int, response_len: int, seed: int, temperature=1.0) -> TensorDict:
+def make_batch(
+    batch_size: int, prompt_len: int, response_len: int, seed: int, temperature=1.0, valid=None
+) -> TensorDict:
     """A verl rollout batch in the engines' format: left-padded prompts, right-padded responses,
     then `left_right_2_no_padding` (nested input_ids / position_ids / loss_mask). A tensor
-    `temperature` [batch_size] rides in the batch (per sample), a float in the metadata."""
+    `temperature` [batch_size] rides in the batch (per sample), a float in the metadata.
+    `valid` = (prompt tokens, response tokens) per sample fixes the lengths (default random, >= 1)."""
     gen = torch.Generator().manual_seed(seed)
     total = prompt_len + response_len
     input_ids = torch.randint(1, VOCAB, (batch_size, total), generator=gen)
     prompt_valid = torch.randint(1, prompt_len + 1, (batch_size,), generator=gen)
     response_valid = torch.randint(1, response_len + 1, (batch_size,), generator=gen)
+    if valid is not None:
+        prompt_valid, response_valid = torch.tensor(valid[0]), torch.tensor(valid[1])
     cols = torch.arange(total)
     attention_mask = (cols >= prompt_len - prompt_valid[:, None]) & (cols < prompt_len + response_valid[:, None])
     attention_mask = attention_mask.long()

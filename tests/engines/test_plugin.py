@@ -123,6 +123,8 @@ def _model_config(**hf_overrides):
     [
         (dict(strategy="fsdp_turbo"), 2, "unknown strategy 'fsdp_turbo'"),
         (dict(ulysses_sequence_parallel_size=3), 3, "does not divide"),
+        # 4 attention heads and 2 kv heads split over 4 ranks; 2 GatedDeltaNet key heads do not
+        (dict(ulysses_sequence_parallel_size=4), 4, "does not divide the head counts {'linear_num_key_heads': 2}"),
         (dict(ulysses_sequence_parallel_size=2), 3, "must divide the world size"),
         (dict(fsdp_size=3), 4, "fsdp_size=3"),
         (dict(micro_batch_size_per_gpu=0), 2, "micro_batch_size_per_gpu=0"),

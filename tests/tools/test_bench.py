@@ -1,0 +1,66 @@
+"""The bench runner: correctness check before timing, per-output errors, ratios, JSON report."""
+
+import json
+
+import pytest
+import torch
+from verl_moe.ops.logprob import bench as logprob_bench
+from verl_moe.tools import bench
+
+TINY = {"id": "N24-D16-V40", "n": 24, "d": 16, "vocab": 40, "dtype": "float32"}
+PROVIDERS = ("ours-torch-chunked", "naive", "verl_chunked")
+
+
+@pytest.fixture
+def tiny_logprob(monkeypatch):
+    monkeypatch.setattr(logprob_bench, "CASES", [TINY])
+
+
+def test_runner_checks_times_and_reports(tiny_logprob, tmp_path):
+    out = tmp_path / "report.json"
+    cfg = bench.BenchConfig(op="logprob", providers=PROVIDERS, warmup=1, reps=2, json_path=str(out))
+    report = bench.run(cfg)
+    assert json.dumps(json.loads(out.read_text())) == json.dumps(report)  # NaN-safe equality
+    rows = {(r["mode"], r["provider"]): r for r in report["rows"]}
+    assert set(rows) == {(m, p) for m in ("fwd", "fwd_bwd") for p in PROVIDERS}
+    for (mode, provider), row in rows.items():
+        assert row["check_ok"], row
+        assert row["ms"] > 0
+        # fwd: log_prob, entropy; fwd_bwd adds d_hidden and d_weight, each checked on its own.
+        assert len(row["rel_rms_per_output"]) == (2 if mode == "fwd" else 4)
+        assert row["rel_rms_vs_ref"] == max(row["rel_rms_per_output"])
+        if provider == "naive":
+            assert row["rel_rms_vs_ref"] == 0.0
+        assert row["ratio_ours-torch-chunked_over_this"] == pytest.approx(rows[(mode, PROVIDERS[0])]["ms"] / row["ms"])
+
+
+def test_runner_flags_a_wrong_provider(tiny_logprob, monkeypatch):
+    real_run = logprob_bench.run
+
+    def perturbed(provider, inputs, mode):
+        outs = real_run(provider, inputs, mode)
+        if provider == "ours-torch-chunked":
+            outs[0] = outs[0] * 1.05  # a 5% error in log_prob only
+        return outs
+
+    monkeypatch.setattr(logprob_bench, "run", perturbed)
+    report = bench.run(bench.BenchConfig(op="logprob", providers=PROVIDERS[:2], modes=("fwd",), warmup=1, reps=1))
+    row = next(r for r in report["rows"] if r["provider"] == "ours-torch-chunked")
+    assert not row["check_ok"]
+    assert row["rel_rms_per_output"][0] > logprob_bench.TOLERANCE["ours-torch-chunked"]
+    assert row["rel_rms_per_output"][1] < 1e-5  # entropy untouched: the error is attributed per output
+
+
+def test_runner_rejects_unknown_names(tiny_logprob):
+    with pytest.raises(ValueError, match="unknown providers"):
+        bench.run(bench.BenchConfig(op="logprob", providers=("nope",)))
+    with pytest.raises(ValueError, match="no case matches"):
+        bench.run(bench.BenchConfig(op="logprob", cases=("N1",)))
+
+
+def test_unavailable_provider_is_skipped_with_its_reason(tiny_logprob):
+    if torch.cuda.is_available():
+        pytest.skip("liger may run on cuda")
+    report = bench.run(bench.BenchConfig(op="logprob", providers=("naive", "liger"), modes=("fwd",), reps=1))
+    assert "liger" in report["skipped_providers"]
+    assert {r["provider"] for r in report["rows"]} == {"naive"}
