@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import typer
 
 app = typer.Typer(help="verl-moe: benchmarks and precision-alignment tools", no_args_is_help=True)
@@ -9,7 +11,7 @@ app = typer.Typer(help="verl-moe: benchmarks and precision-alignment tools", no_
 
 @app.command()
 def bench(
-    op: str = typer.Argument(..., help="op folder under verl_moe.ops, e.g. gdn, logprob"),
+    op: str = typer.Argument(..., help="op folder under verl_moe.ops (gdn, logprob, ...) or model (a training step)"),
     case: list[str] = typer.Option([], help="case id(s) to run (default: all)"),
     provider: list[str] = typer.Option([], help="provider(s) to run (default: all)"),
     mode: list[str] = typer.Option([], help="fwd and/or fwd_bwd (default: both)"),
@@ -99,6 +101,9 @@ def curves(
 
 
 def main() -> None:
+    # verl warns at import about every optional engine it lacks (torchtitan, megatron, ...); none of
+    # them is used by these tools, so the warnings would only bury the report.
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
     app()
 
 

@@ -79,6 +79,22 @@ class ChunkPlan:
     N: int
     NT: int
 
+    def tile_args(self, H: int, HV: int, K: int, V: int, dtype: torch.dtype, l2norm: bool) -> dict:
+        """The arguments every chunk-tiled kernel takes: where the chunks are, the head counts and
+        dims, whether q/k are l2-normalised in the kernel, and the tl.dot operand type and precision."""
+        return dict(
+            cu_seqlens=self.cu_seqlens,
+            chunk_table=self.chunk_table,
+            n_chunks=self.NT,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            L2NORM=l2norm,
+            DT=dot_dtype(dtype),
+            DOT_PREC=dot_precision(dtype),
+        )
+
 
 def make_plan(cu_seqlens: torch.Tensor | None, B: int, T: int, dev: torch.device) -> ChunkPlan:
     """Chunk bookkeeping from validated offsets (a host list: the check already synced)."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_rstd
-from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
+from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
 OUTPUT_FWD_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
 OUTPUT_DV_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
@@ -313,17 +313,8 @@ def gdn_output_fwd(q, rq, k, rk, gc, h, vn, scale: float, plan: ChunkPlan) -> to
             h=h,
             vn=vn,
             o=o,
-            cu_seqlens=plan.cu_seqlens,
-            chunk_table=plan.chunk_table,
-            n_chunks=plan.NT,
             scale=scale,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            L2NORM=rk is not None,
-            DT=dot_dtype(q.dtype),
-            DOT_PREC=dot_precision(q.dtype),
+            **plan.tile_args(H, HV, K, V, q.dtype, l2norm=rk is not None),
             **_output_meta({"K": K}),
         )
     return o
@@ -347,17 +338,8 @@ def gdn_output_bwd_dv(q, rq, k, rk, gc, do, scale: float, plan: ChunkPlan) -> to
             gc=gc,
             do=do,
             dvl=dvl,
-            cu_seqlens=plan.cu_seqlens,
-            chunk_table=plan.chunk_table,
-            n_chunks=plan.NT,
             scale=scale,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            L2NORM=rk is not None,
-            DT=dot_dtype(q.dtype),
-            DOT_PREC=dot_precision(q.dtype),
+            **plan.tile_args(H, HV, K, V, q.dtype, l2norm=rk is not None),
             **_output_meta({"K": K}),
         )
     return dvl
@@ -397,18 +379,9 @@ def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: Chu
             dw=dw,
             dgam=dgam,
             dgl=dgl,
-            cu_seqlens=plan.cu_seqlens,
-            chunk_table=plan.chunk_table,
-            n_chunks=plan.NT,
             n_tokens=B * T,
             scale=scale,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            L2NORM=rk is not None,
-            DT=dot_dtype(q.dtype),
-            DOT_PREC=dot_precision(q.dtype),
+            **plan.tile_args(H, HV, K, V, q.dtype, l2norm=rk is not None),
             **meta,
         )
     return dq, dk, dw, dgam, dgl

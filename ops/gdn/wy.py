@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
-from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
+from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
 WU_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
 WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 4}]
@@ -264,16 +264,7 @@ def gdn_wy_fwd(
             Ai=Ai,
             w=w,
             u=u,
-            cu_seqlens=plan.cu_seqlens,
-            chunk_table=plan.chunk_table,
-            n_chunks=plan.NT,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            L2NORM=rk is not None,
-            DT=dot_dtype(k.dtype),
-            DOT_PREC=dot_precision(k.dtype),
+            **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
             **meta,
         )
     return w, u
@@ -318,18 +309,9 @@ def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dgam, dgl, gate, g_dtype, plan: 
             dbeta=dbeta,
             dg=dg,
             dA_log_tok=dA_log_tok,
-            cu_seqlens=plan.cu_seqlens,
-            chunk_table=plan.chunk_table,
-            n_chunks=plan.NT,
             n_tokens=B * T,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
             GATE_IN_KERNEL=gate is not None,
-            L2NORM=rk is not None,
-            DT=dot_dtype(k.dtype),
-            DOT_PREC=dot_precision(k.dtype),
+            **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
             **meta,
         )
     return dk, dv, dbeta, dg, dA_log_tok

@@ -84,3 +84,15 @@ def test_rel_rms_catches_nan_and_error():
         assert_rel_rms("x", ref, torch.full((8,), float("nan")), 1.0)
     with pytest.raises(AssertionError, match="rel_rms"):
         assert_rel_rms("x", ref, ref * 1.1, 1e-3)
+
+
+def test_public_ops_import_without_triton():
+    """`import verl_moe.ops` exposes every public op and leaves Triton unimported (kernels load lazily)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl_moe.ops as ops; missing = [n for n in ops.__all__ if not callable(getattr(ops, n))];"
+        "assert not missing, missing; assert 'triton' not in sys.modules, 'triton imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
