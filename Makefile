@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml setup.py scripts/install.sh scripts/constrain
 install: $(VENV)/.installed
 
 # The main job: align the tiny Qwen3.5-MoE across the fp64 reference and our fsdp2 engine
-# (2 gloo ranks, bf16 router ablation included), table on the terminal, report + plots in align_out/.
+# (2 gloo ranks), table on the terminal, report + plots in align_out/.
 demo: install
 	$(VENV)/bin/verl-moe align --preset tiny-qwen3.5-moe --backends reference,fsdp2 --steps 5 --out align_out
 
