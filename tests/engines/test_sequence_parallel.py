@@ -42,9 +42,9 @@ def _full_weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in engine.get_per_tensor_param(layout="hf")[0]}
 
 
-def _sp2_equals_sp1(rank: int, world_size: int, path: str) -> None:
+def _sp2_equals_sp1(rank: int, world_size: int, path: str, fsdp_size: int) -> None:
     sp1 = build_engine(path)
-    sp2 = build_engine(path, ulysses_sequence_parallel_size=2)
+    sp2 = build_engine(path, ulysses_sequence_parallel_size=2, fsdp_size=fsdp_size)
     assert (sp1.get_data_parallel_size(), sp1.get_data_parallel_rank(), sp1.is_mp_src_rank_with_outputs()) == (
         2,
         rank,
@@ -106,9 +106,12 @@ def _qwen3_moe_sp2_infer_equals_sp1(rank: int, world_size: int, path: str) -> No
 
 
 @pytest.mark.dist
-def test_sp2_equals_sp1(tmp_path):
+@pytest.mark.parametrize("fsdp_size", [-1, 1], ids=["full_shard", "hybrid_shard"])
+def test_sp2_equals_sp1(tmp_path, fsdp_size):
+    """SP over the whole world with full sharding, and with hybrid sharding (shard groups of one rank,
+    replicated across the two): both must equal the plain data-parallel run."""
     path = write_tiny_model(str(tmp_path / "model"))
-    spawn(_sp2_equals_sp1, 2, path)
+    spawn(_sp2_equals_sp1, 2, path, fsdp_size)
 
 
 @pytest.mark.dist
