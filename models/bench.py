@@ -19,8 +19,11 @@ CASES = [
 PROVIDERS = ("ours", "hf")
 REFERENCE = "hf"
 MODES = ("fwd", "fwd_bwd")
-# bf16 end to end: the loss of two implementations of the same model agrees to about 1e-2.
-TOLERANCE = {"ours": 3e-2, "hf": 0.0}
+# The check compares the loss only. In bf16 the lm_head gradient of each implementation is ~3% (rel
+# RMS) off an fp32 golden of the same weights (measured on CPU at hidden 256, 64 experts, VOCAB 8192:
+# ours 2.8%, transformers 3.4%), so two bf16 gradients cannot check each other; gradient
+# correctness is tested in fp32 against transformers in tests/models. The bf16 losses agreed to 7e-5.
+TOLERANCE = {"ours": 1e-3, "hf": 0.0}
 
 
 def reduced_config(layers: int):
@@ -89,7 +92,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 
 def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
-    """Loss = mean next-token negative log-likelihood; returns [loss] (+ the lm_head weight's grad)."""
+    """Loss = mean next-token negative log-likelihood, forward (and backward for "fwd_bwd"); returns [loss]."""
     from ..ops import logprobs_and_entropy
 
     model = inputs[provider]
@@ -104,8 +107,7 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
             logits = model(input_ids=ids, position_ids=pos).logits[0].float()
             logp = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
         loss = -logp.mean()
-        if mode == "fwd":
-            return [loss.detach()]
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-    return [loss.detach(), model.lm_head.weight.grad.float()]
+        if mode == "fwd_bwd":
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+    return [loss.detach()]
