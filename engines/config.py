@@ -1,9 +1,10 @@
-"""Engine configuration: verl's `FSDPEngineConfig` plus verl_moe's knobs, and the checks that
-run before any model is built.
+"""Engine configuration: verl's `FSDPEngineConfig` / `VeOmniEngineConfig` plus verl_moe's knobs,
+the layout both engines read from either, and the checks that run before any model is built.
 
 `MoeFsdp2EngineConfig` is what `configs/engine/moe_fsdp2.yaml` instantiates (field for field)
-into `actor_rollout_ref.actor.fsdp_config`; verl's own `FSDPEngineConfig` is accepted too
-(our engine then uses `OpsConfig()` defaults), so a run that only switches the model keeps
+into `actor_rollout_ref.actor.fsdp_config`; `MoeVeOmniEngineConfig` likewise from
+`configs/engine/moe_veomni.yaml` (`model_engine=veomni`). verl's own configs are accepted too
+(our engines then use `OpsConfig()` defaults), so a run that only switches the model keeps
 working. verl's `BaseConfig` makes every field read-only except the few verl itself assigns
 (`use_dynamic_bsz`, micro-batch sizes, ...).
 """
@@ -14,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 from verl.utils.torch_dtypes import PrecisionType
-from verl.workers.config import FSDPEngineConfig
+from verl.workers.config import FSDPEngineConfig, VeOmniEngineConfig
 from verl_moe.models import ArchConfig, OpsConfig, get_spec
 
-SERVED_STRATEGIES = ("fsdp", "fsdp2")
+SERVED_STRATEGIES = ("fsdp", "fsdp2", "veomni")
 
 
 @dataclass
@@ -43,13 +44,78 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
     ops: OpsConfig = field(default_factory=OpsConfig)
 
 
-def ops_config(engine_config: FSDPEngineConfig) -> OpsConfig:
-    """The ops of our config, or the defaults for a plain verl `FSDPEngineConfig`."""
-    return engine_config.ops if isinstance(engine_config, MoeFsdp2EngineConfig) else OpsConfig()
+@dataclass
+class MoeVeOmniEngineConfig(VeOmniEngineConfig):
+    """verl's VeOmni engine config (what `model_engine=veomni` builds) plus the ops our spec uses.
+
+    Fields read by MoeVeOmniEngine (all others are verl's and keep verl's meaning; the
+    implementation selectors for VeOmni's own HF models are ignored: our spec uses `ops`):
+        fsdp_size: data-parallel ranks per shard group; -1 = all, smaller = hybrid shard.
+        ulysses_parallel_size: Ulysses SP group size (same divisibility rules as the fsdp2 engine).
+        expert_parallel_size: ranks the routed experts are split over (must divide the
+            sharding ranks and num_experts); the experts are then sharded over the rest.
+        mixed_precision: True = fp32 master weights, `param_dtype` compute, fp32 gradient
+            reduction; False = bf16 weights and compute (as verl's VeOmni engine).
+        param_dtype: compute dtype under mixed precision ("bf16" or "fp32").
+        enable_fsdp_offload: FSDP2 CPUOffloadPolicy; param_offload / optimizer_offload: as in verl.
+        ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
+    """
+
+    strategy: str = "veomni"
+    mixed_precision: bool = True
+    param_dtype: str = "bf16"
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
 
-def precision_dtypes(engine_config: FSDPEngineConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+@dataclass(frozen=True)
+class EngineLayout:
+    """What the engines read from either config: sharding, sequence/expert parallel sizes,
+    FSDP2 CPU offload, and whether gradient reduction waits for the last micro-batch."""
+
+    fsdp_size: int
+    sequence_parallel_size: int
+    expert_parallel_size: int
+    reshard_after_forward: bool
+    fsdp_cpu_offload: bool
+    defer_grad_sync: bool
+
+
+def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> EngineLayout:
+    if isinstance(engine_config, VeOmniEngineConfig):
+        return EngineLayout(
+            fsdp_size=engine_config.fsdp_size,
+            sequence_parallel_size=engine_config.ulysses_parallel_size,
+            expert_parallel_size=engine_config.expert_parallel_size,
+            reshard_after_forward=True,  # VeOmni always reshards decoder layers after forward
+            fsdp_cpu_offload=engine_config.enable_fsdp_offload,
+            defer_grad_sync=True,
+        )
+    return EngineLayout(
+        fsdp_size=engine_config.fsdp_size,
+        sequence_parallel_size=engine_config.ulysses_sequence_parallel_size,
+        expert_parallel_size=1,
+        reshard_after_forward=engine_config.reshard_after_forward,
+        fsdp_cpu_offload=engine_config.offload_policy,
+        defer_grad_sync=engine_config.use_no_sync_for_gradient_accumulation,
+    )
+
+
+def ops_config(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> OpsConfig:
+    """The ops of our configs, or the defaults for a plain verl config."""
+    if isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig):
+        return engine_config.ops
+    return OpsConfig()
+
+
+def precision_dtypes(
+    engine_config: FSDPEngineConfig | VeOmniEngineConfig,
+) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(master dtype, compute dtype, gradient-reduce dtype)."""
+    if isinstance(engine_config, VeOmniEngineConfig):
+        if not engine_config.mixed_precision:
+            return torch.bfloat16, torch.bfloat16, torch.bfloat16
+        compute = PrecisionType.to_dtype(getattr(engine_config, "param_dtype", "bf16"))
+        return torch.float32, compute, torch.float32
     master = PrecisionType.to_dtype(engine_config.model_dtype)
     mixed = engine_config.mixed_precision or {}
     unknown = set(mixed) - {"param_dtype", "reduce_dtype", "buffer_dtype"}
@@ -66,22 +132,33 @@ def arch_config(hf_config) -> ArchConfig:
     return spec.arch_config(spec.text_config(hf_config))
 
 
-def validate_engine_config(model_config, engine_config: FSDPEngineConfig, world_size: int) -> None:
-    """Raise ValueError on a configuration MoeFsdp2Engine cannot run, before any model is built."""
+def validate_engine_config(model_config, engine_config, world_size: int) -> None:
+    """Raise ValueError on a configuration our engines cannot run, before any model is built."""
     if engine_config.strategy not in SERVED_STRATEGIES:
         raise ValueError(
-            f"unknown strategy {engine_config.strategy!r} for MoeFsdp2Engine; expected one of {SERVED_STRATEGIES}"
+            f"unknown strategy {engine_config.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}"
         )
     arch = arch_config(model_config.hf_config)
-    fsdp_size = engine_config.fsdp_size
-    if fsdp_size != -1 and (fsdp_size < 1 or world_size % min(fsdp_size, world_size)):
-        raise ValueError(f"fsdp_size={fsdp_size} must be -1 or divide the world size {world_size}")
-    sp = engine_config.ulysses_sequence_parallel_size
+    layout = engine_layout(engine_config)
+    sp = layout.sequence_parallel_size
     if sp < 1 or world_size % sp:
-        raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}")
+        raise ValueError(f"ulysses sequence-parallel size {sp} must divide the world size {world_size}")
     bad = arch.sequence_parallel_problems(sp)
     if bad:
-        raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the head counts {bad}")
+        raise ValueError(f"ulysses sequence-parallel size {sp} does not divide the head counts {bad}")
+    # the fsdp2 engine shards over world ranks, the veomni engine over data-parallel ranks
+    veomni = isinstance(engine_config, VeOmniEngineConfig)
+    shard_world = world_size // sp if veomni else world_size
+    fsdp_size = layout.fsdp_size
+    if fsdp_size != -1 and (fsdp_size < 1 or shard_world % min(fsdp_size, shard_world)):
+        raise ValueError(f"fsdp_size={fsdp_size} must be -1 or divide {shard_world} ranks")
+    ep = layout.expert_parallel_size
+    if ep != 1:
+        shard_group = world_size if fsdp_size == -1 or fsdp_size >= shard_world else fsdp_size * sp
+        if ep < 1 or shard_group % ep:
+            raise ValueError(f"expert_parallel_size={ep} must divide the {shard_group} ranks one shard group spans")
+        if arch.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={arch.num_experts}")
     for name in (
         "micro_batch_size_per_gpu",
         "infer_micro_batch_size_per_gpu",
@@ -92,20 +169,25 @@ def validate_engine_config(model_config, engine_config: FSDPEngineConfig, world_
         if value is not None and value < 1:
             raise ValueError(f"{name}={value} must be positive")
     precision_dtypes(engine_config)
-    if engine_config.param_offload and engine_config.offload_policy:
-        raise ValueError("param_offload (between steps) and offload_policy (FSDP2 CPUOffloadPolicy) are exclusive")
-    if engine_config.qat.enable:
-        raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
+    if engine_config.param_offload and layout.fsdp_cpu_offload:
+        raise ValueError("param_offload (between steps) and FSDP2 CPU offload (offload_policy) are exclusive")
     if engine_config.router_replay.mode != "disabled":
-        raise ValueError(f"router_replay.mode={engine_config.router_replay.mode!r} is not supported by MoeFsdp2Engine")
+        raise ValueError(f"router_replay.mode={engine_config.router_replay.mode!r} is not supported by verl_moe")
     if engine_config.pad_to_length:
-        raise ValueError("pad_to_length is not supported by MoeFsdp2Engine")
+        raise ValueError("pad_to_length is not supported by verl_moe's engines")
+    if veomni:
+        if engine_config.enable_async_activation_offload:
+            raise ValueError("enable_async_activation_offload is not supported by MoeVeOmniEngine")
+        if engine_config.qat_implementation != "none":
+            raise ValueError("QAT is not supported by MoeVeOmniEngine (qat_implementation)")
+    elif engine_config.qat.enable:
+        raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
     if model_config.lora_rank > 0:
-        raise ValueError("LoRA is not supported by MoeFsdp2Engine (lora_rank > 0)")
+        raise ValueError("LoRA is not supported by verl_moe's engines (lora_rank > 0)")
     if model_config.enable_activation_offload:
-        raise ValueError("enable_activation_offload is not supported by MoeFsdp2Engine")
+        raise ValueError("enable_activation_offload is not supported by verl_moe's engines")
     if arch.tie_word_embeddings and world_size > 1:
-        raise ValueError("tied word embeddings are not supported by MoeFsdp2Engine with more than one rank")
+        raise ValueError("tied word embeddings are not supported by verl_moe's engines with more than one rank")
 
 
 def validate_actor_config(actor, n_gpus: int) -> None:
@@ -115,7 +197,7 @@ def validate_actor_config(actor, n_gpus: int) -> None:
     engine = actor.engine
     if actor.strategy not in SERVED_STRATEGIES:
         raise ValueError(f"unknown strategy {actor.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}")
-    sp = engine.ulysses_sequence_parallel_size
+    sp = engine_layout(engine).sequence_parallel_size
     if sp < 1 or n_gpus % sp:
         raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the number of ranks {n_gpus}")
     dp = n_gpus // sp

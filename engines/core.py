@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
@@ -221,3 +222,29 @@ def merge_outputs(outputs: list[dict], micro_batch_indices: list[list[int]]) -> 
     for out in outputs:
         append_to_dict(metrics, out["metrics"])
     return {"model_output": model_output, "loss": [out["loss"] for out in outputs], "metrics": metrics}
+
+
+def _grouped_by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by DTensor mesh (plain tensors together): fused foreach ops and norms
+    refuse DTensors of different meshes (expert-parallel weights live on their own mesh)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm over every gradient (sharded DTensors reduced over their mesh); may be inf/nan."""
+    squares = []
+    for group in _grouped_by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.to(torch.float64) ** 2)
+    return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+
+
+def scale_grads_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient in place by a Python scalar (DTensors refuse a plain-tensor factor)."""
+    for group in _grouped_by_mesh(grads):
+        torch._foreach_mul_(group, factor)

@@ -18,7 +18,7 @@ from verl.workers.engine import BaseEngine, EngineRegistry
 logger = logging.getLogger(__name__)
 
 ROLE = "language_model"
-SERVED_BACKENDS = ("fsdp", "fsdp2")
+SERVED_BACKENDS = ("fsdp", "fsdp2", "veomni")
 
 
 def supported_model_types() -> frozenset[str]:
@@ -36,7 +36,8 @@ def engine_device() -> str:
 def resolve_engine_class(model_config, backend: str) -> type[BaseEngine]:
     """The engine class that serves `model_config` for `backend` on this process's device.
 
-    Ours when `model_config.hf_config.model_type` has a spec in `verl_moe.models.registry`;
+    Ours when `model_config.hf_config.model_type` has a spec in `verl_moe.models.registry`
+    (`MoeVeOmniEngine` for "veomni", `MoeFsdp2Engine` for "fsdp" / "fsdp2");
     otherwise verl's built-in engine under the device-only registry key. Raises ValueError
     naming the model type when neither exists (e.g. a non-MoE model on the cpu platform,
     where verl registers no FSDP engine) or when `backend` is not one we serve.
@@ -45,6 +46,10 @@ def resolve_engine_class(model_config, backend: str) -> type[BaseEngine]:
         raise ValueError(f"verl_moe serves backends {list(SERVED_BACKENDS)}, got {backend!r}")
     hf_model_type = model_config.hf_config.model_type
     if hf_model_type in supported_model_types():
+        if backend == "veomni":
+            from verl_moe.engines.veomni import MoeVeOmniEngine
+
+            return MoeVeOmniEngine
         from verl_moe.engines.fsdp2 import MoeFsdp2Engine
 
         return MoeFsdp2Engine

@@ -37,14 +37,13 @@ from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config.optimizer import build_optimizer
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines import core
-from verl_moe.engines.config import ops_config, precision_dtypes, validate_engine_config
+from verl_moe.engines.config import engine_layout, ops_config, precision_dtypes, validate_engine_config
 from verl_moe.engines.ulysses import UlyssesGroup, packed_log_probs
 from verl_moe.models import build, from_pretrained, to_vllm_named_tensors
 from verl_moe.models.layers import TopKRouter
@@ -101,14 +100,12 @@ class MoeFsdp2Engine(BaseEngine):
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
+        self.layout = engine_layout(engine_config)
         self.mode = None
         self.rank = dist.get_rank()
         self.device = device.current_device()
         self.master_dtype, self.compute_dtype, self.reduce_dtype = precision_dtypes(engine_config)
-        self.mesh = build_fsdp_mesh(world_size, engine_config.fsdp_size)
-        self.dp_group, self.dp_rank, self.sequence_parallel = build_data_sequence_mesh(
-            world_size, engine_config.ulysses_sequence_parallel_size
-        )
+        self._build_parallel_layout(world_size)
         self.module: core.LogProbModel | None = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -117,6 +114,15 @@ class MoeFsdp2Engine(BaseEngine):
 
     # ---- build -------------------------------------------------------------------------------
 
+    def _build_parallel_layout(self, world_size: int) -> None:
+        """Set `mesh` (what FSDP shards over), the data-parallel group and rank, and the Ulysses
+        group (None without SP); this engine has no expert parallelism."""
+        self.mesh = build_fsdp_mesh(world_size, self.layout.fsdp_size)
+        self.dp_group, self.dp_rank, self.sequence_parallel = build_data_sequence_mesh(
+            world_size, self.layout.sequence_parallel_size
+        )
+        self.expert_parallel = None
+
     def initialize(self):
         """Build the sharded model (weights from `model_config.local_path`), optimizer and LR schedule."""
         from verl_moe.ops.logprob import logprobs_and_entropy
@@ -124,6 +130,7 @@ class MoeFsdp2Engine(BaseEngine):
         ops = ops_config(self.engine_config)
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", ops=ops)
         model.set_sequence_parallel(self.sequence_parallel)
+        model.set_expert_parallel(self.expert_parallel)
         module = core.LogProbModel(model, logprobs_and_entropy)
         self._shard(module)
         module.to_empty(device=self.device)
@@ -137,7 +144,7 @@ class MoeFsdp2Engine(BaseEngine):
         del full_state
         self.module = module
         if not self.engine_config.forward_only:
-            self.optimizer = build_optimizer(module.parameters(), self.optimizer_config)
+            self.optimizer = self._build_optimizer(module)
             self.lr_scheduler = self._build_lr_scheduler(self.optimizer)
         self.to(
             "cpu",
@@ -148,11 +155,11 @@ class MoeFsdp2Engine(BaseEngine):
 
     def _shard(self, module: core.LogProbModel) -> None:
         """fully_shard: routers (master dtype), then decoder layers (compute dtype), then the root."""
-        ec = self.engine_config
+        layout = self.layout
         compute = None if self.compute_dtype == self.master_dtype else self.compute_dtype
         reduce = None if self.reduce_dtype == self.master_dtype else self.reduce_dtype
-        offload = CPUOffloadPolicy(pin_memory=device.is_accelerator()) if ec.offload_policy else OffloadPolicy()
-        common = dict(mesh=self.mesh, reshard_after_forward=ec.reshard_after_forward, offload_policy=offload)
+        offload = CPUOffloadPolicy(pin_memory=device.is_accelerator()) if layout.fsdp_cpu_offload else OffloadPolicy()
+        common = dict(mesh=self.mesh, reshard_after_forward=layout.reshard_after_forward, offload_policy=offload)
         layer_mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         # The router decides expert choice: bf16 rounding of its weights flips top-k sets.
         router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
@@ -160,12 +167,19 @@ class MoeFsdp2Engine(BaseEngine):
             for sub in layer.modules():
                 if isinstance(sub, TopKRouter):
                     fully_shard(sub, mp_policy=router_mp, **common)
+            self._shard_experts(layer, layer_mp, common)
             if self.model_config.enable_gradient_checkpointing:
                 activation_checkpoint(layer)
             fully_shard(layer, mp_policy=layer_mp, **common)
         # The root must not cast its inputs: per-token temperature stays fp32.
         root_mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
         fully_shard(module, mp_policy=root_mp, **common)
+
+    def _shard_experts(self, layer: torch.nn.Module, mp_policy: MixedPrecisionPolicy, common: dict) -> None:
+        """Without expert parallelism the experts are sharded with their decoder layer."""
+
+    def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(module.parameters(), self.optimizer_config)
 
     def _build_lr_scheduler(self, optimizer):
         oc = self.optimizer_config
@@ -208,12 +222,8 @@ class MoeFsdp2Engine(BaseEngine):
     def optimizer_step(self) -> float:
         """Clip to `optimizer_config.clip_grad` and step; skip the step (and zero the gradients)
         when the gradient norm is not finite. Returns the norm before clipping."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        grad_norm = float(total.item())
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grad_norm = core.total_grad_norm(grads)
         self.last_step_skipped = not math.isfinite(grad_norm)
         if self.last_step_skipped:
             logger.warning("verl_moe: non-finite grad norm %s, optimizer step skipped", grad_norm)
@@ -222,8 +232,7 @@ class MoeFsdp2Engine(BaseEngine):
         clip = self.optimizer_config.clip_grad
         coef = clip / (grad_norm + 1e-6)
         if coef < 1.0:
-            # a Python scalar: DTensor gradients refuse a plain-tensor factor
-            torch._foreach_mul_(grads, coef)
+            core.scale_grads_(grads, coef)
         self.optimizer.step()
         return grad_norm
 
@@ -246,7 +255,7 @@ class MoeFsdp2Engine(BaseEngine):
         calculate_entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         keep_output = forward_only or bool(tu.get_non_tensor_data(data, "return_model_output", False))
         # the batch's switches (verl's TrainingWorker always sets them), else this engine's config
-        ec = self.engine_config
+        ec, sp = self.engine_config, self.layout.sequence_parallel_size
         if forward_only:
             default_size, default_tokens = ec.infer_micro_batch_size_per_gpu, ec.infer_max_token_len_per_gpu
         else:
@@ -257,10 +266,10 @@ class MoeFsdp2Engine(BaseEngine):
             use_dynamic_bsz=bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", ec.use_dynamic_bsz)),
             micro_batch_size=tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", default_size),
             # an SP group shares one micro-batch over its ranks: verl's budget is per rank
-            max_token_len=None if max_token_len is None else max_token_len * ec.ulysses_sequence_parallel_size,
+            max_token_len=None if max_token_len is None else max_token_len * sp,
             dp_group=dp_group,
         )
-        defer_sync = self.engine_config.use_no_sync_for_gradient_accumulation
+        defer_sync = self.layout.defer_grad_sync
         outputs = []
         for i, micro_indices in enumerate(indices):
             micro_batch = core.select_micro_batch(data, micro_indices).to(self.device)
@@ -318,7 +327,7 @@ class MoeFsdp2Engine(BaseEngine):
 
     def get_data_parallel_size(self):
         """Ranks holding different data: the world over the sequence-parallel size."""
-        return dist.get_world_size() // self.engine_config.ulysses_sequence_parallel_size
+        return dist.get_world_size() // self.layout.sequence_parallel_size
 
     def get_data_parallel_rank(self):
         return self.dp_rank
@@ -335,7 +344,7 @@ class MoeFsdp2Engine(BaseEngine):
         target = torch.device("cpu") if device == "cpu" else self.device
         if device not in ("cpu", self.device.type):
             raise ValueError(f"device must be 'cpu' or {self.device.type!r}, got {device!r}")
-        if self.engine_config.offload_policy:
+        if self.layout.fsdp_cpu_offload:
             return  # FSDP2's CPUOffloadPolicy owns parameter placement
         if model:
             ckpt.move_module(self.module, target)
@@ -346,7 +355,7 @@ class MoeFsdp2Engine(BaseEngine):
     def _params_on_device(self, optimizer: bool = False):
         """Parameters (and optimizer state) on the compute device for the duration, so every
         state_dict / collective sees one device; offloaded placement is restored afterwards."""
-        offloaded_model = self.is_param_offload_enabled and not self.engine_config.offload_policy
+        offloaded_model = self.is_param_offload_enabled and not self.layout.fsdp_cpu_offload
         offloaded_optim = optimizer and self.is_optimizer_offload_enabled
         if offloaded_model or offloaded_optim:
             self.to(self.device.type, model=offloaded_model, optimizer=offloaded_optim, grad=offloaded_model)

@@ -5,8 +5,8 @@ failure only at debug level, so every failure here is logged at WARNING, naming 
 
 How our engines take precedence (README material)
 -------------------------------------------------
-verl keys `EngineRegistry` by (role, backend, device[, vendor]); its built-in FSDP engine sits
-under `("language_model", "fsdp" | "fsdp2", "cuda" | "npu")`, and `register` refuses a key that
+verl keys `EngineRegistry` by (role, backend, device[, vendor]); its built-in FSDP and VeOmni
+engines sit under `("language_model", "fsdp" | "fsdp2" | "veomni", "cuda" | "npu")`, and `register` refuses a key that
 is already taken. `EngineRegistry.get_engine_cls` looks up the vendor-specific key
 `(device, vendor)` *before* the device-only key. We register `MoeEngineDispatch` under
 `("cuda", "nvidia")`, `("npu", "huawei")` and `("cpu", "cpu")` (our cpu platform), so on those
@@ -15,7 +15,8 @@ vendors, e.g. ("cuda", "amd"), keep verl's engine). The dispatcher (`engines/dis
 `model_config.hf_config.model_type` (not `model_config.model_type`, which verl's TrainingWorker
 overwrites with the role) and builds:
 
-- `MoeFsdp2Engine` when the model type has a spec in `verl_moe.models.registry`;
+- `MoeFsdp2Engine` ("fsdp", "fsdp2") or `MoeVeOmniEngine` ("veomni") when the model type has a
+  spec in `verl_moe.models.registry`;
 - otherwise verl's own engine registered under the device-only key (`FSDPEngineWithLMHead`),
   with the same arguments, so every other model behaves exactly as without the plugin.
 
@@ -78,7 +79,7 @@ def register_platform() -> None:
 
 
 def register_engines() -> None:
-    """Register `MoeEngineDispatch` for (language_model, fsdp|fsdp2) on cuda/nvidia, npu/huawei, cpu/cpu."""
+    """Register `MoeEngineDispatch` for (language_model, fsdp|fsdp2|veomni) on cuda/nvidia, npu/huawei, cpu/cpu."""
     if "engines" in _registered:
         return
     if not override_enabled():

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 from verl_moe.engines.core import LogProbModel, PackedBatch
 
 
@@ -68,7 +68,7 @@ class UlyssesGroup:
             raise ValueError(f"{H} heads do not split over sequence-parallel size {self.size}")
         # [size (destination), B, t, H/size, ...]: chunk j of the heads goes to rank j
         send = x.reshape(B, t, self.size, H // self.size, *rest).movedim(2, 0).contiguous()
-        received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        received = all_to_all_single_autograd(send, None, None, self.group)
         # received[j] = rank j's tokens for my heads: tokens in rank order
         return received.movedim(0, 1).reshape(B, self.size * t, H // self.size, *rest)
 
@@ -95,15 +95,18 @@ class UlyssesGroup:
         rest = x.shape[3:]
         t = T // self.size
         send = x.reshape(B, self.size, t, h, *rest).movedim(1, 0).contiguous()
-        received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        received = all_to_all_single_autograd(send, None, None, self.group)
         return received.movedim(0, 2).reshape(B, t, self.size * h, *rest)
 
     def gather_tokens(self, x: torch.Tensor, pad: int) -> torch.Tensor:
         """[T/size, ...] per rank -> [T - pad, ...] on every rank. The backward sums the gradient of
         every rank (each computes the same loss), which with FSDP's average over dp x sp ranks
         gives exactly the data-parallel gradient."""
-        full = torch.cat(dist_fn.all_gather(x.contiguous(), group=self.group), dim=0)
-        return full[: full.shape[0] - pad] if pad else full
+        # functional collectives: torch.distributed.nn's gather backward scatters from global
+        # rank 0, which fails on gloo for a group without rank 0
+        full = all_gather_tensor_autograd(x.contiguous(), 0, self.group)
+        # clone (not a view): a plain tensor, not the collective's async wrapper (nested tensors refuse it)
+        return full[: full.shape[0] - pad].clone()
 
 
 def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, int]:

@@ -18,13 +18,14 @@ from ..ops import resolve
 from ..ops.rope import rope_cos_sin, rope_inv_freq
 from ..ops.varlen import check_cu_seqlens
 from .arch import ArchConfig
-from .layers import Attention, DenseMLP, MoeBlock, ResolvedOps, RMSNorm
+from .layers import Attention, DenseMLP, Experts, MoeBlock, ResolvedOps, RMSNorm
 from .ops_config import OpsConfig
 from .qwen3_5_moe.model import GatedDeltaNet
 from .registry import ModelSpec, get_spec
 
 if TYPE_CHECKING:
     from ..engines.ulysses import UlyssesGroup
+    from ..ops.experts.expert_parallel import ExpertParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,16 @@ class MoeCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention | GatedDeltaNet):
                 module.sequence_parallel = group
+
+    def set_expert_parallel(self, group: ExpertParallelGroup | None) -> None:
+        """Split the routed experts of every MoE layer over `group` (None: off). The caller places
+        each rank's expert block (E / group.size experts, in rank order) in the expert weights;
+        raises ValueError when the group's size does not divide the expert count."""
+        if group is not None and self.arch.num_experts % group.size:
+            raise ValueError(f"expert-parallel size {group.size} does not divide num_experts={self.arch.num_experts}")
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.expert_parallel = group
 
     def forward(
         self,

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .arch import ArchConfig
 
 if TYPE_CHECKING:
     from ..engines.ulysses import UlyssesGroup
+    from ..ops.experts.expert_parallel import ExpertParallelGroup
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,12 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Fused expert weights: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I]."""
+    """Fused expert weights: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I].
+
+    Under expert parallelism (`expert_parallel` set by `MoeCausalLM.set_expert_parallel`) the
+    weights are DTensors sharded over the expert dim on the EP mesh; each rank computes with its
+    local experts and exchanges token copies with the other ranks of the group.
+    """
 
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
@@ -146,9 +153,15 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D, **factory))
         self.down_proj = nn.Parameter(torch.empty(E, D, I, **factory))
         self.ops = ops
+        self.expert_parallel: ExpertParallelGroup | None = None
 
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        return self.ops.experts(hidden, self.gate_up_proj, self.down_proj, topk_idx, topk_weight)
+        if self.expert_parallel is None:
+            return self.ops.experts(hidden, self.gate_up_proj, self.down_proj, topk_idx, topk_weight)
+        from ..ops.experts.expert_parallel import moe_experts_expert_parallel
+
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+        return moe_experts_expert_parallel(hidden, gate_up, down, topk_idx, topk_weight, self.expert_parallel)
 
 
 class MoeBlock(nn.Module):

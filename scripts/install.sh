@@ -13,4 +13,6 @@ pip install -q -c scripts/constraints.txt "verl[verl-core]==0.9.1" "triton==3.9.
 # VeOmni's declared deps pull timm -> torchvision -> a CUDA torch; it imports with what verl brings plus these.
 pip install -q -c scripts/constraints.txt --no-deps "veomni==0.1.12"
 pip install -q -c scripts/constraints.txt blobfile tiktoken einops matplotlib
+# megatron-core (the align tool's megatron backend; its CPU tests): needs only torch, numpy, packaging.
+pip install -q -c scripts/constraints.txt "megatron-core==0.16.1"
 pip install -q -c scripts/constraints.txt --no-build-isolation -e ".[test]"

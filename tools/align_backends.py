@@ -4,16 +4,20 @@
   fp64 logits (not the fused op), verl's `ppo_loss`, torch AdamW with verl's LR schedule.
 - `fsdp2`: our `MoeFsdp2Engine` through verl's engine contract on `world` ranks (gloo on CPU),
   launched with torchrun; this module's `__main__` is the per-rank worker.
-- `veomni`, `megatron`: reported as skipped with the reason when they cannot run here.
+- `veomni`: our `MoeVeOmniEngine` (VeOmni's parallel state), launched like fsdp2; option
+  `ep=N` splits the routed experts over N ranks (expert parallelism).
+- `megatron`: reported as skipped with the reason when it cannot run here.
 
 A backend is named `name[:key=value[:key=value...]]`; keys: `dtype` (fp64|fp32|bf16),
-`router` (bf16|fp32|fp64: the router's compute dtype), `world` (ranks), and
+`router` (bf16|fp32|fp64: the router's compute dtype), `world` (ranks), `ep` (veomni: expert-
+parallel size), and
 `cfg.<field>[.<subfield>]=<json>` to perturb the HF config the backend builds from (e.g.
 `reference:cfg.rope_parameters.partial_rotary_factor=0.5`, a wrong rotary dim).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -46,18 +50,20 @@ LOSS_MODES = {  # --loss -> verl ActorConfig fields (GSPO: the paper's clip rang
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A parsed backend name. dtype / router / world are None where the backend's default applies."""
+    """A parsed backend name. dtype / router / world / ep are None where the backend's default applies."""
 
     name: str
     dtype: str | None = None
     router: str | None = None
     world: int | None = None
+    ep: int | None = None  # expert-parallel size (veomni)
     overrides: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
         parts = [self.name]
-        parts += [f"{k}={v}" for k, v in (("dtype", self.dtype), ("router", self.router), ("world", self.world)) if v]
+        options = (("dtype", self.dtype), ("router", self.router), ("world", self.world), ("ep", self.ep))
+        parts += [f"{k}={v}" for k, v in options if v]
         parts += [f"cfg.{k}={v}" for k, v in self.overrides]
         return ":".join(parts)
 
@@ -102,15 +108,17 @@ def parse_backend(text: str) -> BackendSpec:
             if value not in DTYPES:
                 raise ValueError(f"{key}={value!r} in {text!r}: choose from {list(DTYPES)}")
             kw[key] = value
-        elif key == "world":
+        elif key in ("world", "ep"):
             if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"world={value!r} in {text!r} must be a positive integer")
-            kw["world"] = int(value)
+                raise ValueError(f"{key}={value!r} in {text!r} must be a positive integer")
+            if key == "ep" and name != "veomni":
+                raise ValueError(f"ep= in {text!r}: expert parallelism is a veomni engine option")
+            kw[key] = int(value)
         elif key.startswith("cfg."):
             json.loads(value)  # must be a JSON literal
             overrides.append((key[4:], value))
         else:
-            raise ValueError(f"unknown backend option {key!r} in {text!r}; keys: dtype, router, world, cfg.<field>")
+            raise ValueError(f"unknown backend option {key!r} in {text!r}; keys: dtype, router, world, ep, cfg.<field>")
     return BackendSpec(name=name, overrides=tuple(overrides), **kw)
 
 
@@ -310,6 +318,14 @@ def _settings(spec: BackendSpec, world: int) -> dict:
     }
 
 
+def release_device_memory() -> None:
+    """Return this process's cached accelerator memory (the fp64 model it built is garbage now)."""
+    from verl_moe.ops import device
+
+    gc.collect()
+    device.empty_cache()
+
+
 @torch.no_grad()
 def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: float) -> None:
     """Set each batch's `old_log_probs` [B, R] (fp32, 0 on padding) from the fp64 reference at θ0,
@@ -332,6 +348,8 @@ def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: f
         logp, _ = eager_logprobs(out.last_hidden_state[0], model.lm_head.weight, torch.roll(tokens, -1), temperature)
         padded = no_padding_2_padding(logp, td).cpu() * batch["response_mask"]
         batch["old_log_probs"] = padded.to(torch.float32)
+    del model
+    release_device_memory()
 
 
 class RouterRecorder:
@@ -361,18 +379,15 @@ class RouterRecorder:
 
 def unavailable(spec: BackendSpec) -> str | None:
     """Why `spec` cannot run on this machine, or None when it can."""
-    from verl_moe.ops import device
-
     if spec.name == "veomni":
-        return "no veomni engine in verl_moe.engines yet (engines/veomni.py); nothing to run"
-    if spec.name == "megatron":
         try:
-            import megatron.core  # noqa: F401
-        except ImportError:
-            return "megatron-core is not installed (pip install verl-moe[megatron]); it also needs a CUDA GPU"
-        if not device.is_accelerator():
-            return "megatron-core needs a CUDA GPU (its forward/backward and optimizer call CUDA-only code)"
-        return "the megatron backend (HF -> GPTModel conversion) is not implemented yet"
+            from verl_moe.engines import veomni  # noqa: F401
+        except ImportError as e:
+            return f"verl_moe.engines.veomni is not importable ({e}); pip install 'verl-moe[veomni]'"
+    if spec.name == "megatron":
+        from .align_megatron import megatron_unavailable
+
+        return megatron_unavailable(spec)
     if spec.name == "fsdp2":
         try:
             from verl_moe.engines import fsdp2  # noqa: F401
@@ -391,6 +406,7 @@ def run_backend(job: Job, log_dir: Path, progress: Callable[[int], None] | None 
     if spec.name == "reference":
         trace = run_reference(job, progress)
         torch.save(trace, job.trace_path)
+        release_device_memory()  # the workers launched next need the accelerator memory it cached
         return trace
     return _launch(job, log_dir, progress)
 
@@ -433,8 +449,12 @@ STEP_MARK = "ALIGN_STEP "
 def _worker_main(job_path: str) -> None:
     job = Job.load(job_path)
     spec = parse_backend(job.backend)
-    if spec.name == "fsdp2":
-        trace = run_fsdp2_rank(job, lambda k: print(f"{STEP_MARK}{k}", flush=True))
+    if spec.name in ("fsdp2", "veomni"):
+        trace = run_engine_rank(job, lambda k: print(f"{STEP_MARK}{k}", flush=True))
+    elif spec.name == "megatron":
+        from .align_megatron import run_megatron_rank
+
+        trace = run_megatron_rank(job, lambda k: print(f"{STEP_MARK}{k}", flush=True))
     else:
         raise ValueError(f"backend {spec.name} has no distributed worker")
     if trace is not None:  # rank 0
@@ -461,47 +481,66 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_fsdp2_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace | None:
-    """One rank of the fsdp2 backend: verl's engine contract on `MoeFsdp2Engine`, batch rows
+def build_engine(spec: BackendSpec, model_dir: str, train: TrainSettings, total_steps: int):
+    """`MoeFsdp2Engine` or `MoeVeOmniEngine` for `spec`: fp32 master weights, the spec's compute
+    and router dtypes, fp32 gradient reduction, AdamW and a constant LR after `train.warmup_steps`."""
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, VeOmniOptimizerConfig
+
+    model_config = HFModelConfig(path=model_dir, load_tokenizer=False)
+    optimizer = dict(lr=train.lr, weight_decay=train.weight_decay, betas=train.betas, clip_grad=train.clip_grad)
+    if spec.name == "veomni":
+        from verl_moe.engines.config import MoeVeOmniEngineConfig
+        from verl_moe.engines.veomni import MoeVeOmniEngine
+
+        engine_config = MoeVeOmniEngineConfig(
+            mixed_precision=True,
+            param_dtype=spec.compute_dtype,
+            expert_parallel_size=spec.ep or 1,
+            ops=spec.ops_config(),
+            use_dynamic_bsz=False,
+        )
+        optimizer_config = VeOmniOptimizerConfig(
+            **optimizer,
+            lr_warmup_steps_ratio=train.warmup_steps / max(total_steps, 1),
+            total_training_steps=total_steps,
+        )
+        return MoeVeOmniEngine(model_config, engine_config, optimizer_config, checkpoint_config=None)
+    from verl_moe.engines.config import MoeFsdp2EngineConfig
+    from verl_moe.engines.fsdp2 import MoeFsdp2Engine
+
+    engine_config = MoeFsdp2EngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": spec.compute_dtype, "reduce_dtype": "fp32"},
+        ops=spec.ops_config(),
+        use_dynamic_bsz=False,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        **optimizer, lr_warmup_steps=train.warmup_steps, total_training_steps=total_steps
+    )
+    return MoeFsdp2Engine(model_config, engine_config, optimizer_config, checkpoint_config=None)
+
+
+def run_engine_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace | None:
+    """One rank of the fsdp2 / veomni backend: verl's engine contract on our engine, batch rows
     split in contiguous blocks over the ranks (as verl dispatches). Returns the trace on rank 0."""
     from functools import partial
 
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.utils.losses import ppo_loss
-    from verl_moe.engines.config import MoeFsdp2EngineConfig
-    from verl_moe.engines.fsdp2 import MoeFsdp2Engine
     from verl_moe.ops import device
 
     spec = parse_backend(job.backend)
     if spec.compute_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"{spec.label}: the fsdp2 engine computes in fp32 or bf16, not {spec.compute_dtype}")
+        raise ValueError(f"{spec.label}: our engines compute in fp32 or bf16, not {spec.compute_dtype}")
     dist.init_process_group(backend=device.dist_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     device.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.manual_seed(0)
     stream = torch.load(job.stream_path, weights_only=False)
     train = job.train
-    engine = MoeFsdp2Engine(
-        model_config=HFModelConfig(path=job.model_dir, load_tokenizer=False),
-        engine_config=MoeFsdp2EngineConfig(
-            strategy="fsdp2",
-            model_dtype="fp32",
-            mixed_precision={"param_dtype": spec.compute_dtype, "reduce_dtype": "fp32"},
-            ops=spec.ops_config(),
-            use_dynamic_bsz=False,
-        ),
-        optimizer_config=FSDPOptimizerConfig(
-            lr=train.lr,
-            weight_decay=train.weight_decay,
-            betas=train.betas,
-            clip_grad=train.clip_grad,
-            lr_warmup_steps=train.warmup_steps,
-            total_training_steps=len(stream),
-        ),
-        checkpoint_config=None,
-    )
+    engine = build_engine(spec, job.model_dir, train, total_steps=len(stream))
     engine.initialize()
     model = engine.module.model
     params = dict(model.named_parameters())
@@ -537,7 +576,7 @@ def run_fsdp2_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace | 
             lr = engine.optimizer.param_groups[0]["lr"]
             grad_norm = engine.optimizer_step()
             engine.lr_scheduler_step()
-        local_loss = torch.tensor([sum(out["loss"])], dtype=torch.float64)
+        local_loss = torch.tensor([sum(out["loss"])], dtype=torch.float64, device=device.current_device())
         dist.all_reduce(local_loss)  # verl's TrainingWorker: sum over micro-batches, mean over ranks
         log_probs = _gather_cat(response_values(out["model_output"]["log_probs"], td), world)
         entropy = _gather_cat(response_values(out["model_output"]["entropy"], td), world)

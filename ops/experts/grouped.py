@@ -30,11 +30,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     """x: [S, IN] rows sorted by group; weight: [E, OUT, IN]; offsets: [E] int32 cumulative row ends.
     Returns [S, OUT]: row s of group e is x[s] @ weight[e].T."""
     w_t = weight.transpose(-2, -1)  # [E, IN, OUT]
+    if x.shape[0] == 0:  # no rows (an expert-parallel rank that received no tokens): keep a weight gradient
+        return x @ w_t[0] + 0 * weight.sum()
     if _grouped_mm_ok(x, weight):
         return F.grouped_mm(x, w_t, offs=offsets)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     return torch.cat([x[s:e] @ w_t[g] for g, (s, e) in enumerate(zip(starts, ends))], dim=0)
+
+
+def grouped_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, offsets: torch.Tensor):
+    """The expert MLP down(silu(gate) * up) of rows x [S, D] sorted by expert (`offsets` as in
+    `grouped_linear`) -> [S, D]."""
+    I = down_proj.shape[2]
+    h = grouped_linear(x, gate_up_proj, offsets)
+    return grouped_linear(F.silu(h[:, :I]) * h[:, I:], down_proj, offsets)
 
 
 def moe_experts_grouped(
@@ -49,14 +59,12 @@ def moe_experts_grouped(
     promote(hidden dtype, topk_weight dtype)."""
     check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
     N, TOPK = topk_idx.shape
-    E, I = gate_up_proj.shape[0], down_proj.shape[2]
+    E = gate_up_proj.shape[0]
     flat_idx = topk_idx.reshape(-1)
     order = torch.argsort(flat_idx, stable=True)  # stable: a fixed order for equal expert ids
     counts = torch.bincount(flat_idx, minlength=E)
     offsets = counts.cumsum(0).to(torch.int32)
-    x = hidden[order // TOPK]  # [N*TOPK, D], grouped by expert
-    h = grouped_linear(x, gate_up_proj, offsets)
-    y = grouped_linear(F.silu(h[:, :I]) * h[:, I:], down_proj, offsets)  # [N*TOPK, D]
+    y = grouped_swiglu(hidden[order // TOPK], gate_up_proj, down_proj, offsets)  # [N*TOPK, D], grouped by expert
     acc_dtype = torch.promote_types(hidden.dtype, topk_weight.dtype)
     y = y.to(acc_dtype) * topk_weight.reshape(-1)[order, None].to(acc_dtype)
     unsorted = torch.empty_like(y).index_copy_(0, order, y)  # a permutation: no two writes collide

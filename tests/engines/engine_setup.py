@@ -147,6 +147,31 @@ def build_engine(
     return engine
 
 
+def build_veomni_engine(path: str, optimizer: dict | None = None, **engine_overrides):
+    """MoeVeOmniEngine (through verl's registry, backend "veomni") on an HF folder: fp32 master
+    weights and fp32 compute unless overridden; `optimizer` overrides VeOmniOptimizerConfig
+    fields (default lr 1e-3, the same AdamW settings as `build_engine`)."""
+    from verl.workers.config import HFModelConfig, VeOmniOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+    from verl_moe.engines.config import MoeVeOmniEngineConfig
+
+    kwargs = dict(
+        mixed_precision=True, param_dtype="fp32", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=2,
+    )  # fmt: skip
+    kwargs.update(engine_overrides)
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend="veomni",
+        model_config=HFModelConfig(path=path, load_tokenizer=False),
+        engine_config=MoeVeOmniEngineConfig(**kwargs),
+        optimizer_config=VeOmniOptimizerConfig(**{"lr": 1e-3, **(optimizer or {})}),
+        checkpoint_config=None,
+    )
+    engine.initialize()
+    return engine
+
+
 def rank_slice(data: TensorDict, rank: int, world_size: int) -> TensorDict:
     """The part of a batch verl's dispatch hands to data-parallel rank `rank` (equal chunks)."""
     return tu.chunk_tensordict(data, world_size)[rank]

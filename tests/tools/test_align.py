@@ -205,20 +205,22 @@ def test_stream_is_deterministic_and_verl_shaped():
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    """The README's main job, shortened: the tiny preset through reference and fsdp2 (2 gloo ranks)."""
+    """The README's main job, shortened: the tiny preset through reference, fsdp2 and veomni with
+    the experts split over its 2 gloo ranks."""
     out = tmp_path_factory.mktemp("align")
-    cfg = align.AlignConfig(backends=("reference", "fsdp2"), steps=2, out=str(out), progress=False)
+    cfg = align.AlignConfig(backends=("reference", "fsdp2", "veomni:ep=2"), steps=2, out=str(out), progress=False)
     return cfg, align.run(cfg)
 
 
 @pytest.mark.dist
-def test_fsdp2_matches_reference_within_fp32_tolerances(e2e):
+@pytest.mark.parametrize("engine", ["fsdp2", "veomni:ep=2"])
+def test_engines_match_reference_within_fp32_tolerances(e2e, engine):
     _, report = e2e
     by_label = {b["label"]: b for b in report["backends"]}
-    assert by_label["fsdp2"]["status"] == "ok", by_label["fsdp2"]["reason"]
-    assert by_label["fsdp2"]["world_size"] == 2
-    (pair,) = report["pairs"]
-    assert pair["b"] == "fsdp2" and pair["precision"] == "fp32"
+    assert by_label[engine]["status"] == "ok", by_label[engine]["reason"]
+    assert by_label[engine]["world_size"] == 2
+    (pair,) = [p for p in report["pairs"] if p["b"] == engine]
+    assert pair["a"] == "reference" and pair["precision"] == "fp32"
     assert pair["tolerances"] == align.DEFAULT_TOLERANCES["fp32"]
     assert pair["ok"], pair["first_exceeded"]
     assert pair["one_step"]["logp_abs_diff_max"] > 0  # fp32 vs fp64: measured, not identical

@@ -1,0 +1,83 @@
+"""Expert-parallel routed experts on 2 gloo ranks vs the fp64 dense formula over the full weights.
+
+Each rank routes its own tokens; rank r holds experts [r*E/2, (r+1)*E/2). The expert-weight
+gradient of a rank must equal the sum over both ranks' tokens of the dense gradient, restricted
+to its experts (the all-to-all backward brings every token's contribution to the expert's owner).
+
+Tolerances (rel RMS): fp32 vs fp64 out / grads 1e-5.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import spawn
+from test_experts import TOPK, D, E, I, N, dense_formula
+from verl_moe.ops.experts.expert_parallel import ExpertParallelGroup, moe_experts_expert_parallel
+from verl_moe.ops.testing import assert_rel_rms
+
+pytestmark = pytest.mark.dist
+
+
+def _full_weights():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(E, 2 * I, D, generator=g) * 0.3, torch.randn(E, D, I, generator=g) * 0.3
+
+
+def _rank_tokens(rank: int, routing: str):
+    g = torch.Generator().manual_seed(100 + rank)
+    h = torch.randn(N, D, generator=g)
+    if routing == "random":
+        idx = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(N)])
+    else:  # "first_half": every copy goes to rank 0's experts; rank 1 receives nothing
+        idx = torch.stack([torch.randperm(E // 2, generator=g)[:TOPK] for _ in range(N)])
+    w = torch.softmax(torch.randn(N, TOPK, generator=g), -1)
+    dy = torch.randn(N, D, generator=g)
+    return h, idx, w, dy
+
+
+def _check_rank(rank: int, world_size: int, routing: str) -> None:
+    ep = ExpertParallelGroup(group=dist.group.WORLD, size=world_size, rank=rank)
+    gate_up, down = _full_weights()
+    h, idx, w, dy = _rank_tokens(rank, routing)
+    local = slice(rank * E // world_size, (rank + 1) * E // world_size)
+
+    ref_args = [t.double().requires_grad_() for t in (h, gate_up, down, w)]
+    ref_out = dense_formula(ref_args[0], ref_args[1], ref_args[2], idx, ref_args[3])
+    ref_grads = torch.autograd.grad((ref_out * dy.double()).sum(), ref_args)
+    summed = [g.clone() for g in ref_grads[1:3]]  # expert grads summed over every rank's tokens
+    for g in summed:
+        dist.all_reduce(g)
+
+    args = [h.clone(), gate_up[local].clone(), down[local].clone(), w.clone()]
+    args = [t.requires_grad_() for t in args]
+    out = moe_experts_expert_parallel(args[0], args[1], args[2], idx, args[3], ep)
+    grads = torch.autograd.grad((out * dy).sum(), args)
+
+    assert_rel_rms("out", ref_out, out, 1e-5)
+    assert_rel_rms("dhidden", ref_grads[0], grads[0], 1e-5)
+    assert_rel_rms("dweight", ref_grads[3], grads[3], 1e-5)
+    if routing == "first_half" and rank == 1:
+        assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
+    else:
+        assert_rel_rms("dgate_up (local experts)", summed[0][local], grads[1], 1e-5)
+        assert_rel_rms("ddown (local experts)", summed[1][local], grads[2], 1e-5)
+    again = moe_experts_expert_parallel(h, gate_up[local], down[local], idx, w, ep)
+    assert torch.equal(out.detach(), again), "not bitwise deterministic"
+
+
+@pytest.mark.parametrize("routing", ["random", "first_half"])
+def test_two_ranks_match_dense_fp64(routing):
+    spawn(_check_rank, 2, routing)
+
+
+def _bad_ids(rank: int, world_size: int) -> None:
+    ep = ExpertParallelGroup(group=dist.group.WORLD, size=world_size, rank=rank)
+    gate_up, down = _full_weights()
+    h, idx, w, _ = _rank_tokens(rank, "random")
+    local = slice(rank * E // world_size, (rank + 1) * E // world_size)
+    with pytest.raises(ValueError, match=rf"in \[0, E={E}\)"):
+        moe_experts_expert_parallel(h, gate_up[local], down[local], idx.clone().fill_(E), w, ep)
+
+
+def test_out_of_range_expert_ids_raise_before_communication():
+    spawn(_bad_ids, 2)
