@@ -114,8 +114,10 @@ def precision_dtypes(
     if isinstance(engine_config, VeOmniEngineConfig):
         if not engine_config.mixed_precision:
             return torch.bfloat16, torch.bfloat16, torch.bfloat16
-        compute = PrecisionType.to_dtype(getattr(engine_config, "param_dtype", "bf16"))
-        return torch.float32, compute, torch.float32
+        param_dtype = getattr(engine_config, "param_dtype", "bf16")
+        if param_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"param_dtype={param_dtype!r}: the compute dtype under mixed precision is bf16 or fp32")
+        return torch.float32, PrecisionType.to_dtype(param_dtype), torch.float32
     master = PrecisionType.to_dtype(engine_config.model_dtype)
     mixed = engine_config.mixed_precision or {}
     unknown = set(mixed) - {"param_dtype", "reduce_dtype", "buffer_dtype"}

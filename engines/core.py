@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
+from verl_moe.ops import device
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
 UNSUPPORTED_SWITCHES = (
@@ -141,7 +142,9 @@ class LogProbModel(nn.Module):
 def global_token_count(data: TensorDict, dp_group) -> int:
     """Sum of `loss_mask` over the whole data-parallel batch (verl's `batch_num_tokens`)."""
     loss_mask = data["loss_mask"]
-    local = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(torch.int64).reshape(1).cpu()
+    # on the accelerator: NCCL / HCCL reduce only device tensors
+    local = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(device.current_device(), torch.int64)
+    local = local.reshape(1)
     if dist.is_initialized():
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=dp_group)
     return int(local.item())
@@ -183,7 +186,7 @@ def split_micro_batches(
             raise ValueError(f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {max_token_len}")
         if max(seq_lens) > max_token_len:
             raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds max_token_len_per_gpu={max_token_len}")
-        count = torch.tensor([-(-sum(seq_lens) // max_token_len)], dtype=torch.int64)
+        count = torch.tensor([-(-sum(seq_lens) // max_token_len)], dtype=torch.int64, device=device.current_device())
         if dist.is_initialized():
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
         num_bins = int(count.item())

@@ -331,9 +331,13 @@ def padded_rows(td) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (0..S-1 per row), real [B, S] bool). Real tokens in row-major order are the packed tokens."""
     ids = td["input_ids"]
     lengths = ids.offsets().diff()
-    rows = ids.to_padded_tensor(PAD_TOKEN)
-    positions = torch.arange(rows.shape[1], device=rows.device)
-    return rows, positions.expand_as(rows).contiguous(), positions[None, :] < lengths[:, None]
+    # built by hand: to_padded_tensor pads to the nested tensor's cached max length, which verl's
+    # no-padding batches set to the whole packed length (rows as wide as the batch's tokens)
+    positions = torch.arange(int(lengths.max()), device=ids.values().device)
+    real = positions[None, :] < lengths[:, None]
+    rows = torch.full(real.shape, PAD_TOKEN, dtype=ids.dtype, device=real.device)
+    rows[real] = ids.values()
+    return rows, positions.expand_as(rows).contiguous(), real
 
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """verl_moe's Hydra configs: the engine YAML mirrors its dataclass, and every recipe composes with
 verl 0.9.1's `ppo_trainer` into the typed config objects verl's workers build (actor and ref
-engines are MoeFsdp2EngineConfig), passing the checks made before any model is built."""
+engines are MoeFsdp2EngineConfig, or MoeVeOmniEngineConfig for the veomni recipes), passing the
+checks made before any model is built."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from verl.utils.config import omega_conf_to_dataclass
-from verl_moe.engines.config import MoeFsdp2EngineConfig, validate_actor_config
+from verl_moe.engines.config import MoeFsdp2EngineConfig, MoeVeOmniEngineConfig, validate_actor_config
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(verl_moe.configs.__file__))
 RECIPES = sorted(name[: -len(".yaml")] for name in os.listdir(os.path.join(CONFIG_DIR, "recipe")))
-USER_SCALE = [name for name in RECIPES if name != "tiny_cpu"]
+USER_SCALE = [name for name in RECIPES if not name.startswith("tiny_cpu")]
 
 
 def _assert_mirrors(node: dict, cls, where: str) -> None:
@@ -35,13 +36,14 @@ def _assert_mirrors(node: dict, cls, where: str) -> None:
             _assert_mirrors(value, type(default), f"{where}.{name}")
 
 
-def test_engine_yaml_mirrors_dataclass():
-    with open(os.path.join(CONFIG_DIR, "engine", "moe_fsdp2.yaml")) as f:
+@pytest.mark.parametrize(("name", "cls"), [("moe_fsdp2", MoeFsdp2EngineConfig), ("moe_veomni", MoeVeOmniEngineConfig)])
+def test_engine_yaml_mirrors_dataclass(name, cls):
+    with open(os.path.join(CONFIG_DIR, "engine", f"{name}.yaml")) as f:
         node = yaml.safe_load(f)
-    _assert_mirrors(node, MoeFsdp2EngineConfig, "engine/moe_fsdp2")
+    _assert_mirrors(node, cls, f"engine/{name}")
     built = omega_conf_to_dataclass(node)
-    assert isinstance(built, MoeFsdp2EngineConfig)
-    assert built == MoeFsdp2EngineConfig()  # the YAML holds the dataclass defaults
+    assert isinstance(built, cls)
+    assert built == cls()  # the YAML holds the dataclass defaults
 
 
 def _compose(recipe: str, overrides=()):
@@ -66,8 +68,9 @@ def _actor_and_ref(cfg):
 def test_recipe_builds_engine_configs(recipe):
     cfg = _compose(recipe)
     actor, ref = _actor_and_ref(cfg)
-    assert isinstance(actor.engine, MoeFsdp2EngineConfig) and actor.engine.strategy == "fsdp2"
-    assert ref.engine.forward_only and ref.engine.strategy == "fsdp2"
+    cls, strategy = (MoeVeOmniEngineConfig, "veomni") if "veomni" in recipe else (MoeFsdp2EngineConfig, "fsdp2")
+    assert isinstance(actor.engine, cls) and actor.engine.strategy == strategy
+    assert ref.engine.forward_only and ref.engine.strategy == strategy
     validate_actor_config(actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
     if recipe in USER_SCALE:
         assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 20480)

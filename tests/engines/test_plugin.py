@@ -42,10 +42,12 @@ def test_dispatch_by_hf_model_type(monkeypatch):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl_moe.engines.dispatch import resolve_engine_class
     from verl_moe.engines.fsdp2 import MoeFsdp2Engine
+    from verl_moe.engines.veomni import MoeVeOmniEngine
 
     ours = SimpleNamespace(hf_config=tiny_config(), model_type="language_model")
     other = SimpleNamespace(hf_config=Qwen2Config(), model_type="language_model")
     assert resolve_engine_class(ours, "fsdp2") is MoeFsdp2Engine
+    assert resolve_engine_class(ours, "veomni") is MoeVeOmniEngine
     with pytest.raises(ValueError, match="'qwen2' has no verl_moe spec"):
         resolve_engine_class(other, "fsdp2")  # cpu: verl has no FSDP engine to hand it to
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
@@ -135,6 +137,25 @@ def _model_config(**hf_overrides):
 def test_bad_config_raises_before_build(engine_kwargs, world_size, message):
     with pytest.raises(ValueError, match=message):
         validate_engine_config(_model_config(), MoeFsdp2EngineConfig(**engine_kwargs), world_size)
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "world_size", "message"),
+    [
+        (dict(expert_parallel_size=3), 4, "expert_parallel_size=3 must divide the 4 ranks"),
+        (dict(expert_parallel_size=8), 8, "does not divide num_experts=4"),
+        # veomni's fsdp_size counts data-parallel ranks: 2 SP groups of 2, shard groups of 1 -> 2 ranks each
+        (dict(fsdp_size=1, ulysses_parallel_size=2, expert_parallel_size=4), 4, "must divide the 2 ranks"),
+        (dict(fsdp_size=3), 4, "fsdp_size=3 must be -1 or divide 4 ranks"),
+        (dict(param_dtype="fp8"), 2, "param_dtype='fp8'"),
+        (dict(enable_async_activation_offload=True), 2, "enable_async_activation_offload"),
+    ],
+)
+def test_bad_veomni_config_raises_before_build(engine_kwargs, world_size, message):
+    from verl_moe.engines.config import MoeVeOmniEngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        validate_engine_config(_model_config(), MoeVeOmniEngineConfig(**engine_kwargs), world_size)
 
 
 def test_unsupported_model_and_tied_embeddings_raise():
