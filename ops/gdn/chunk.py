@@ -1,10 +1,13 @@
 """Chunked gated delta rule on our Triton kernels: orchestration, autograd Function, public API.
 
 Stages (chunk = 64 tokens; see each module): l2norm (optional) -> solve (gate, cumsum,
-(I + A)^-1) -> wy (w, u) -> state (sequential over chunks) -> output. The backward recomputes
-w, u and the per-chunk states rather than saving them, then runs output_bwd_dv -> state_bwd
-(reverse) -> output_bwd -> wy_bwd -> the q/k epilogue. Every gradient is written by exactly one
-program (no atomics), so results are bitwise reproducible.
+(I + A)^-1) -> wy (w) -> state (u = Ai beta v, then sequential over chunks) -> output. The
+backward recomputes w (one cheap parallel pass) but keeps the forward's per-chunk states h and
+v_new: recomputing them is a second sequential pass, ~10% of fwd+bwd at 16K tokens, while keeping
+them costs T * HV * (K + 4V) bytes per layer between forward and backward at bf16 (h in the input
+dtype, v_new in fp32; 256 + 256 MiB at T=16384, HV=32, K=V=128, about twice the q/k/v inputs).
+Then output_bwd_dv -> state_bwd (reverse) -> output_bwd -> wy_bwd -> the q/k epilogue. Every
+gradient is written by exactly one program (no atomics), so results are bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -32,33 +35,36 @@ class GdnOptions:
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, gate, initial_state, opts: GdnOptions):
     """Forward stages. Returns o [B, T, HV, V], final state [N, HV, K, V] fp32 or None, and what the
-    backward needs besides the inputs: (rstd_q, rstd_k, gc, Ai)."""
+    backward needs besides the inputs: (rstd_q, rstd_k, gc, Ai, h, vn)."""
     plan = opts.plan
     rq = rk = None
     if opts.use_qk_l2norm_in_kernel:
         rq, rk = gdn_l2norm_fwd(q), gdn_l2norm_fwd(k)
     gc, Ai = gdn_solve_fwd(k, rk, beta, g, gate, plan)
-    w, u = gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan)
-    h, vn, ht = gdn_state_fwd(k, rk, w, u, gc, initial_state, opts.output_final_state, plan)
+    w = gdn_wy_fwd(k, rk, beta, gc, Ai, plan)
+    h, vn, ht = gdn_state_fwd(k, rk, w, v, beta, Ai, gc, initial_state, opts.output_final_state, plan)
     o = gdn_output_fwd(q, rq, k, rk, gc, h, vn, opts.scale, plan)
-    return o, ht, (rq, rk, gc, Ai)
+    return o, ht, (rq, rk, gc, Ai, h, vn)
 
 
-def chunk_gated_delta_rule_bwd(q, k, v, beta, gc, Ai, rq, rk, gate, g_dtype, initial_state, do, dht, opts: GdnOptions):
-    """Backward stages. Returns dq, dk [B, T, H, K], dv [B, T, HV, V], dbeta [B, T, HV],
-    dg (or da) [B, T, HV], dh0 [N, HV, K, V] fp32 or None, dA_log_tok [B, T, HV] fp32 or None."""
+def chunk_gated_delta_rule_bwd(
+    q, k, v, beta, gc, Ai, h, vn, rq, rk, gate, g_dtype, initial_state, do, dht, opts: GdnOptions
+):
+    """Backward stages, given the forward's h [NT, HV, K, V] and vn [B, T, HV, V]. Returns dq, dk
+    [B, T, H, K], dv [B, T, HV, V], dbeta [B, T, HV], dg (or da) [B, T, HV], dh0 [N, HV, K, V] fp32
+    or None, dA_log_tok [B, T, HV] fp32 or None."""
     plan = opts.plan
-    w, u = gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan)
-    h, vn, _ = gdn_state_fwd(k, rk, w, u, gc, initial_state, False, plan)
-    del u
+    w = gdn_wy_fwd(k, rk, beta, gc, Ai, plan)
     dvl = gdn_output_bwd_dv(q, rq, k, rk, gc, do, opts.scale, plan)
     dh, dh0, dvn = gdn_state_bwd(q, rq, k, rk, w, gc, dht, do, dvl, opts.scale, initial_state is not None, plan)
     del w, dvl
     dq_hv, dk_hv, dw, dgam, dgl = gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, opts.scale, plan)
-    del h, dh, vn
-    dk2_hv, dv, dbeta, dg, dA_log_tok = gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dgam, dgl, gate, g_dtype, plan)
-    dq = gdn_qk_bwd(dq_hv, None, q, rq)
-    dk = gdn_qk_bwd(dk_hv, dk2_hv, k, rk)
+    del dh
+    dk_hv, dv, dbeta, dg, dA_log_tok = gdn_wy_bwd(
+        k, rk, v, beta, gc, Ai, dw, dvn, dk_hv, dgam, dgl, gate, g_dtype, plan
+    )
+    dq = gdn_qk_bwd(dq_hv, q, rq)
+    dk = gdn_qk_bwd(dk_hv, k, rk)
     return dq, dk, dv, dbeta, dg, dh0, dA_log_tok
 
 
@@ -68,8 +74,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, a, A_log, dt_bias, initial_state, opts: GdnOptions):
         gate = (a, A_log, dt_bias) if g is None else None
-        o, ht, (rq, rk, gc, Ai) = chunk_gated_delta_rule_fwd(q, k, v, g, beta, gate, initial_state, opts)
-        ctx.save_for_backward(q, k, v, beta, gc, Ai, rq, rk, a, A_log, dt_bias, initial_state)
+        o, ht, (rq, rk, gc, Ai, h, vn) = chunk_gated_delta_rule_fwd(q, k, v, g, beta, gate, initial_state, opts)
+        ctx.save_for_backward(q, k, v, beta, gc, Ai, h, vn, rq, rk, a, A_log, dt_bias, initial_state)
         ctx.g_dtype = g.dtype if g is not None else None
         ctx.opts = opts
         ctx.set_materialize_grads(False)  # an unused final state costs no zero-filled gradient
@@ -77,7 +83,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, gc, Ai, rq, rk, a, A_log, dt_bias, initial_state = ctx.saved_tensors
+        q, k, v, beta, gc, Ai, h, vn, rq, rk, a, A_log, dt_bias, initial_state = ctx.saved_tensors
         opts = ctx.opts
         gate = (a, A_log, dt_bias) if a is not None else None
         do = torch.zeros_like(v) if do is None else do.contiguous()
@@ -90,6 +96,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             beta,
             gc,
             Ai,
+            h,
+            vn,
             rq,
             rk,
             gate,

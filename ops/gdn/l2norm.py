@@ -2,8 +2,8 @@
 
 Forward (use_qk_l2norm_in_kernel): rstd = 1 / sqrt(sum(x^2) + 1e-6) per (token, head); the stage
 kernels apply it to raw q/k in fp32 (see `common._gdn_rstd`), so normalised q/k never exist.
-Backward: the chunk stages produce gradients for the normalised q/k per value head ([T, HV, K] fp32,
-no atomics); here the HV // H value heads of each q/k head are summed, then the l2norm backward
+Backward: the chunk stages produce gradients for the normalised q/k per value head ([T, HV, K] in
+the input dtype, no atomics); here the HV // H value heads of each q/k head are summed, then the l2norm backward
 dx = rstd * (dx_n - x_n (x_n . dx_n)), x_n = x * rstd, is applied when the forward normalised.
 """
 
@@ -35,8 +35,7 @@ def _gdn_l2norm_fwd_kernel(x, rstd, n_rows, K: tl.constexpr, BK: tl.constexpr, B
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _gdn_qk_bwd_kernel(
-    dx_a,
-    dx_b,
+    dx_hv,
     x,
     rstd,
     dx,
@@ -45,11 +44,10 @@ def _gdn_qk_bwd_kernel(
     K: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
-    HAS_B: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     """One program per block of BR q/k rows (token, head) (1-D grid, looping): sums the G value-head
-    gradients dx_a (+ dx_b) [rows * G, K] fp32 and applies the l2norm backward -> dx [rows, K]."""
+    gradients dx_hv [rows * G, K] (any float dtype) in fp32 and applies the l2norm backward -> dx [rows, K]."""
     i_p = tl.program_id(0)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -59,9 +57,7 @@ def _gdn_qk_bwd_kernel(
         b_d = tl.zeros([BR, BK], dtype=tl.float32)
         for i_g in range(0, G):
             p = (o_r * G + i_g)[:, None] * K + o_k[None, :]
-            b_d += tl.load(dx_a + p, mask=m, other=0.0)
-            if HAS_B:
-                b_d += tl.load(dx_b + p, mask=m, other=0.0)
+            b_d += tl.load(dx_hv + p, mask=m, other=0.0).to(tl.float32)
         if L2NORM:
             b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.0)
             b_xn = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_r[:, None]
@@ -119,11 +115,9 @@ def gdn_l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
     return rstd
 
 
-def gdn_qk_bwd(
-    dx_a: torch.Tensor, dx_b: torch.Tensor | None, x: torch.Tensor, rstd: torch.Tensor | None
-) -> torch.Tensor:
-    """dx_a (+ dx_b) [B, T, HV, K] fp32 gradients of the normalised x, x [B, T, H, K] raw, rstd [B, T, H]
-    or None (no l2norm) -> dx [B, T, H, K] in x's dtype."""
+def gdn_qk_bwd(dx_hv: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor | None) -> torch.Tensor:
+    """dx_hv [B, T, HV, K] gradients of the normalised x per value head (summed in fp32), x [B, T, H, K]
+    raw, rstd [B, T, H] or None (no l2norm) -> dx [B, T, H, K] in x's dtype."""
     B, T, H, K = x.shape
     dx = torch.empty_like(x)
     if dx.numel() > 0:
@@ -132,15 +126,13 @@ def gdn_qk_bwd(
             QK_BWD_CONFIGS,
             ["G", "K"],
             _rows_grid,
-            dx_a=dx_a,
-            dx_b=dx_b,
+            dx_hv=dx_hv,
             x=x,
             rstd=rstd,
             dx=dx,
             n_rows=B * T * H,
-            G=dx_a.shape[2] // H,
+            G=dx_hv.shape[2] // H,
             K=K,
-            HAS_B=dx_b is not None,
             L2NORM=rstd is not None,
             **_rows_meta({"K": K}),
         )

@@ -16,9 +16,9 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-OUTPUT_FWD_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
-OUTPUT_DV_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
-OUTPUT_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 4}]
+OUTPUT_FWD_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 4}, {"BV": 64, "num_warps": 8}]
+OUTPUT_DV_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 64, "num_warps": 8}, {"BV": 128, "num_warps": 8}]
+OUTPUT_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}]
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -176,7 +176,7 @@ def _gdn_output_bwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """One program per (chunk, value head, K block) tile (1-D grid, looping). Writes, for its
-    BKB columns: dq and the output-stage dk [T, HV, K] fp32, dw [T, HV, K] (k dtype), and the
+    BKB columns: dq and the output-stage dk [T, HV, K], dw [T, HV, K] (all in k's dtype), and the
     log-decay partials dgam [NK, T, HV] (per token) and dgl [NK, NT, HV] (for G_last)."""
     i_p = tl.program_id(0)
     NV = tl.cdiv(V, BV)
@@ -189,9 +189,14 @@ def _gdn_output_bwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         m_kt = m_k[:, None] & m_t[None, :]
-        p_tok = (t0 + o_t) * HV + i_hv
         i_h = i_hv // (HV // H)
-        p_qk = (t0 + o_t) * (H * K) + i_h * K
+        # Scalar int64 bases plus small int32 tile offsets (int64 offset tiles cost registers).
+        p_tv = (t0 * HV + i_hv) * V
+        p_tk = (t0 * HV + i_hv) * K
+        p_qk = (t0 * H + i_h) * K
+        o_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+        o_qk = o_t[:, None] * (H * K) + o_k[None, :]
+        o_qkt = o_t[None, :] * (H * K) + o_k[:, None]
         b_rq = _gdn_rstd(rq, t0, o_t, m_t, i_h, H, L2NORM)
         b_rk = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
         p_hc = ((t0 * 0 + i_c) * HV + i_hv) * (K * V)
@@ -205,45 +210,48 @@ def _gdn_output_bwd_kernel(
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
             m_kv = m_k[:, None] & m_v[None, :]
-            b_vnt = tl.load(vn + p_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+            o_kv = o_k[:, None] * V + o_v[None, :]
+            o_vk = o_k[None, :] * V + o_v[:, None]
+            b_vnt = tl.load(
+                vn + p_tv + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
+            )
             b_ds += tl.dot(
-                tl.load(do + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(DT),
-                b_vnt.to(DT),
-                input_precision=DOT_PREC,
+                tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_vnt.to(DT), input_precision=DOT_PREC
             )
-            b_ht = tl.load(h + p_hc + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
+            b_ht = tl.load(h + p_hc + o_vk, mask=m_v[:, None] & m_k[None, :], other=0.0)
             b_dq += tl.dot(
-                tl.load(do + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(DT),
-                b_ht.to(DT),
-                input_precision=DOT_PREC,
+                tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_ht.to(DT), input_precision=DOT_PREC
             )
-            b_dh = tl.load(dh + p_hc + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_hh = tl.load(h + p_hc + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+            b_dh = tl.load(dh + p_hc + o_kv, mask=m_kv, other=0.0)
+            b_hh = tl.load(h + p_hc + o_kv, mask=m_kv, other=0.0).to(tl.float32)
             b_hdh += tl.sum(tl.sum(b_hh * b_dh.to(tl.float32), 1), 0)
             b_dk3t += tl.dot(b_dh.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
-            b_dvn = tl.load(dvn + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_dvn = tl.load(dvn + p_tv + o_tv, mask=m_tv, other=0.0)
             b_dw += tl.dot(b_dvn.to(DT), b_ht.to(DT), input_precision=DOT_PREC)
 
-        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
+        tl.store(dw + p_tk + o_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+        b_g = tl.load(gc + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
         b_g_last = tl.load(gc + (t0 + tl.minimum(n_left, BT) - 1) * HV + i_hv)
         m_causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
         b_dp = b_ds * _gdn_decay(b_g, b_g, m_causal)
-        b_kt = tl.load(k + p_qk[None, :] + o_k[:, None], mask=m_kt, other=0.0)
-        b_dk3t = b_dk3t * tl.where(m_t, tl.exp(b_g_last - b_g), 0.0)[None, :]
-        b_qt = tl.load(q + p_qk[None, :] + o_k[:, None], mask=m_kt, other=0.0)
+        # Each gradient is stored and reduced into the log-decay terms as soon as it is complete,
+        # which keeps few [BT, BKB] fp32 tiles live at once.
         # dP stays fp32 (TF32 on GPUs): dq, dk feed dg = q.dq - k.dk, which cancels.
-        b_dkt = tl.dot(b_qt.to(tl.float32), b_dp * b_rq[:, None], input_precision=DOT_PREC) * scale + b_dk3t
-        b_k = tl.load(k + p_qk[:, None] + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + p_qk + o_qk, mask=m_tk, other=0.0)
         b_dq = (
             b_dq * tl.exp(b_g)[:, None] + tl.dot(b_dp * b_rk[None, :], b_k.to(tl.float32), input_precision=DOT_PREC)
         ) * scale
-        tl.store(dq + p_tok[:, None] * K + o_k[None, :], b_dq, mask=m_tk)
-        tl.store(dk + p_tok[None, :] * K + o_k[:, None], b_dkt, mask=m_kt)
-        tl.store(dw + p_tok[:, None] * K + o_k[None, :], (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
-        b_ktf = b_kt.to(tl.float32) * b_rk[None, :]  # normalised keys, transposed
-        b_q = tl.load(q + p_qk[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * b_rq[:, None]
-        b_dgam = tl.sum(b_q * b_dq, 1) - tl.sum(b_ktf * b_dkt, 0)
-        tl.store(dgam + i_kb * n_tokens * HV + p_tok, b_dgam, mask=m_t)
+        tl.store(dq + p_tk + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_q = tl.load(q + p_qk + o_qk, mask=m_tk, other=0.0).to(tl.float32) * b_rq[:, None]
+        b_dgam = tl.sum(b_q * b_dq, 1)
+        b_qt = tl.load(q + p_qk + o_qkt, mask=m_kt, other=0.0)
+        b_dk3t = b_dk3t * tl.where(m_t, tl.exp(b_g_last - b_g), 0.0)[None, :]
+        b_dkt = tl.dot(b_qt.to(tl.float32), b_dp * b_rq[:, None], input_precision=DOT_PREC) * scale + b_dk3t
+        tl.store(dk + p_tk + o_t[None, :] * (HV * K) + o_k[:, None], b_dkt.to(dk.dtype.element_ty), mask=m_kt)
+        b_ktf = tl.load(k + p_qk + o_qkt, mask=m_kt, other=0.0).to(tl.float32) * b_rk[None, :]  # normalised, transposed
+        b_dgam -= tl.sum(b_ktf * b_dkt, 0)
+        tl.store(dgam + i_kb * n_tokens * HV + t0 * HV + i_hv + o_t * HV, b_dgam, mask=m_t)
         b_dgl = tl.exp(b_g_last) * b_hdh + tl.sum(tl.sum(b_ktf * b_dk3t, 1), 0)
         tl.store(dgl + (i_kb * n_chunks + i_c) * HV + i_hv, b_dgl)
 
@@ -295,7 +303,7 @@ KERNEL_LAUNCHES = {
 
 
 def gdn_output_fwd(q, rq, k, rk, gc, h, vn, scale: float, plan: ChunkPlan) -> torch.Tensor:
-    """q/k [B, T, H, K], gc [B, T, HV], h [NT, HV, K, V], vn [B, T, HV, V] -> o [B, T, HV, V] (q dtype)."""
+    """q/k [B, T, H, K], gc [B, T, HV], h [NT, HV, K, V], vn [B, T, HV, V] fp32 -> o [B, T, HV, V] (q dtype)."""
     B, T, H, K = q.shape
     HV, V = vn.shape[2], vn.shape[3]
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
@@ -346,15 +354,17 @@ def gdn_output_bwd_dv(q, rq, k, rk, gc, do, scale: float, plan: ChunkPlan) -> to
 
 
 def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan):
-    """q/k [B, T, H, K], gc [B, T, HV], h/dh [NT, HV, K, V], vn/dvn/do [B, T, HV, V]
-    -> dq, dk (output part) [B, T, HV, K] fp32, dw [B, T, HV, K] (k dtype),
+    """q/k [B, T, H, K], gc [B, T, HV], h/dh [NT, HV, K, V], vn (fp32)/dvn/do [B, T, HV, V]
+    -> dq, dk (output part) [B, T, HV, K] and dw [B, T, HV, K], all in k's dtype,
     dgam [NK, B, T, HV] fp32, dgl [NK, NT, HV] fp32."""
     B, T, H, K = q.shape
     HV, V = vn.shape[2], vn.shape[3]
     meta = _output_bwd_meta({"K": K})
     f32 = dict(dtype=torch.float32, device=q.device)
-    dq = torch.empty(B, T, HV, K, **f32)
-    dk = torch.empty(B, T, HV, K, **f32)
+    # Per value head partials in k's dtype (bf16 for bf16 inputs): they are summed over the GVA group
+    # and l2norm-backpropagated in fp32 by `l2norm.gdn_qk_bwd`; the log-decay terms use the fp32 values.
+    dq = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
+    dk = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     dw = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     dgam = torch.empty(meta["NK"], B, T, HV, **f32)
     dgl = torch.empty(meta["NK"], plan.NT, HV, **f32)

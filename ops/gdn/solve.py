@@ -15,7 +15,7 @@ import triton.language as tl
 from .common import _gdn_decay, _gdn_rstd
 from .launch import BC, BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
 
-SOLVE_CONFIGS = [{"num_warps": 4}, {"num_warps": 2}]
+SOLVE_CONFIGS = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 2}]
 
 
 @triton.jit

@@ -1,12 +1,16 @@
 """The sequential part of the chunked gated delta rule: the state, chunk after chunk.
 
-Forward, per sequence, value head and V block, with h [K, V] the state entering chunk c:
-    v_new = u - w h                      (the chunk's values minus what the state predicts)
+Forward, per sequence, value head and V block, with h [K, V] the state entering chunk c and
+Ai, w from `solve.py` and `wy.py`:
+    v_new = Ai (beta v) - w h            (the chunk's values minus what the state predicts)
     h     = exp(G_last) h + (K * exp(G_last - G))^T v_new
 Backward, in reverse, with dh the gradient of the state leaving chunk c:
     dv_new = dv_local + (K * exp(G_last - G)) dh
     dh     = exp(G_last) dh + scale (Q * exp(G))^T do - w^T dv_new
-State and accumulation in fp32; stored per-chunk states and v_new in the input dtype.
+State and accumulation in fp32; stored per-chunk states in the input dtype. u = Ai (beta v) is formed
+here, in fp32 (TF32 products on GPUs for 16-bit inputs), rather than stored by the WY stage: a 16-bit
+u, and a 16-bit v_new, were the two largest roundings in the bf16 output error after the output's own
+(measured with fp64 emulation at Qwen3.5 shapes), so v_new is stored in fp32.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _gdn_rstd
+from .common import _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
 
+# The state kernels run one program per (sequence, value head, V block): at B=1, HV=32, BV=16 fills
+# two programs per H200 multiprocessor, BV=32 one.
 STATE_CONFIGS = [
     {"BV": 32, "num_warps": 4, "num_stages": 2},
+    {"BV": 16, "num_warps": 4, "num_stages": 2},
+    {"BV": 32, "num_warps": 4, "num_stages": 3},
     {"BV": 64, "num_warps": 4, "num_stages": 2},
-    {"BV": 32, "num_warps": 2, "num_stages": 3},
 ]
 
 
@@ -30,7 +37,9 @@ def _gdn_state_fwd_kernel(
     k,
     rk,
     w,
-    u,
+    v,
+    beta,
+    Ai,
     gc,
     h0,
     h,
@@ -53,8 +62,8 @@ def _gdn_state_fwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """One program per (sequence, value head, V block) tile (1-D grid, looping), walking the
-    sequence's chunks in order. Writes h [NT, HV, K, V] (state entering each chunk), vn [T, HV, V],
-    and ht [N, HV, K, V] fp32 when STORE_FINAL."""
+    sequence's chunks in order. Writes h [NT, HV, K, V] (state entering each chunk), vn [T, HV, V]
+    (v_new) and ht [N, HV, K, V] fp32 when STORE_FINAL."""
     i_p = tl.program_id(0)
     NV = tl.cdiv(V, BV)
     o_t = tl.arange(0, BT)
@@ -66,34 +75,49 @@ def _gdn_state_fwd_kernel(
         T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
         o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = m_k[:, None] & (o_v < V)[None, :]
-        # int64 through a loaded value: the interpreter's loop index is a Python int.
-        p_state = (boh * 0 + i_n * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        # Scalar int64 bases plus small int32 tile offsets: int64 offset tiles cost registers.
+        # The int64 comes through a loaded value: the interpreter's loop index is a Python int.
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        p_s = (boh * 0 + i_n * HV + i_hv) * (K * V)
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         if USE_H0:
-            b_h += tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
+            b_h += tl.load(h0 + p_s + o_kv, mask=m_kv, other=0.0).to(tl.float32)
         i_h = i_hv // (HV // H)
-        p_k = k + (bos * H + i_h) * K
         for i_t in range(0, tl.cdiv(T_n, BT)):
+            t_c = bos + i_t * BT
             n_in = tl.minimum(T_n - i_t * BT, BT)
             m_t = o_t < n_in
-            p_tok = (bos + i_t * BT + o_t) * HV + i_hv
-            p_h = h + ((boh + i_t) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
-            b_w = tl.load(w + p_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            b_vn = tl.load(u + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            m_tv = m_t[:, None] & m_v[None, :]
+            tl.store(h + ((boh + i_t) * HV + i_hv) * (K * V) + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+            p_w = w + (t_c * HV + i_hv) * K
+            b_w = tl.load(p_w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+            p_tv = (t_c * HV + i_hv) * V
+            b_beta = tl.load(beta + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+            b_vb = tl.load(v + p_tv + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
+            b_vn = tl.dot(
+                _gdn_load_ai(Ai + (t_c * HV + i_hv) * BT, o_t, m_t, False, HV * BT).to(tl.float32),
+                b_vb,
+                input_precision=DOT_PREC,
+            )
             b_vn -= tl.dot(b_w.to(DT), b_h.to(DT), input_precision=DOT_PREC)
-            tl.store(vn + p_tok[:, None] * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
-            b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
-            b_g_last = tl.load(gc + (bos + i_t * BT + n_in - 1) * HV + i_hv)
-            p_kt = p_k + (i_t * BT + o_t[None, :]) * (H * K) + o_k[:, None]
-            b_kt = tl.load(p_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_r = _gdn_rstd(rk, bos + i_t * BT, o_t, m_t, i_h, H, L2NORM)
-            b_kt = (b_kt * (tl.where(m_t, tl.exp(b_g_last - b_g), 0.0) * b_r)[None, :]).to(DT)
-            b_h = b_h * tl.exp(b_g_last) + tl.dot(b_kt, b_vn.to(DT), input_precision=DOT_PREC)
+            tl.store(vn + p_tv + o_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+            b_g = tl.load(gc + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+            b_g_last = tl.load(gc + (t_c + n_in - 1) * HV + i_hv)
+            # The key scaling exp(G_last - G) / |k| goes on the [BT, BV] v_new rows, not on K^T.
+            b_r = _gdn_rstd(rk, t_c, o_t, m_t, i_h, H, L2NORM)
+            b_vn = b_vn * (tl.where(m_t, tl.exp(b_g_last - b_g), 0.0) * b_r)[:, None]
+            b_kt = tl.load(
+                k + (t_c * H + i_h) * K + o_t[None, :] * (H * K) + o_k[:, None],
+                mask=m_k[:, None] & m_t[None, :],
+                other=0.0,
+            )
+            b_h = b_h * tl.exp(b_g_last)
+            b_h = tl.dot(b_kt.to(DT), b_vn.to(DT), b_h, input_precision=DOT_PREC)
         if STORE_FINAL:
-            tl.store(ht + p_state, b_h, mask=m_kv)
+            tl.store(ht + p_s + o_kv, b_h, mask=m_kv)
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
@@ -141,48 +165,44 @@ def _gdn_state_bwd_kernel(
         T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
         o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = m_k[:, None] & (o_v < V)[None, :]
-        # int64 through a loaded value: the interpreter's loop index is a Python int.
-        p_state = (boh * 0 + i_n * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        p_s = (boh * 0 + i_n * HV + i_hv) * (K * V)
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
         if USE_DHT:
-            b_dh += tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)
+            b_dh += tl.load(dht + p_s + o_kv, mask=m_kv, other=0.0).to(tl.float32)
         i_h = i_hv // (HV // H)
-        p_k = k + (bos * H + i_h) * K
-        p_q = q + (bos * H + i_h) * K
         NT_n = tl.cdiv(T_n, BT)
         for i_r in range(0, NT_n):
             i_t = NT_n - 1 - i_r
+            t_c = bos + i_t * BT
             n_in = tl.minimum(T_n - i_t * BT, BT)
             m_t = o_t < n_in
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            p_tok = (bos + i_t * BT + o_t) * HV + i_hv
-            p_dh = dh + ((boh + i_t) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-            b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
-            b_g_last = tl.load(gc + (bos + i_t * BT + n_in - 1) * HV + i_hv)
-            b_k = tl.load(
-                p_k + (i_t * BT + o_t[:, None]) * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-            )
-            b_rk = _gdn_rstd(rk, bos + i_t * BT, o_t, m_t, i_h, H, L2NORM)
-            b_k = (b_k * (tl.where(m_t, tl.exp(b_g_last - b_g), 0.0) * b_rk)[:, None]).to(DT)
-            b_dvn = tl.load(dvl + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_dvn += tl.dot(b_k, b_dh.to(DT), input_precision=DOT_PREC)
-            tl.store(dvn + p_tok[:, None] * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-            b_qt = tl.load(
-                p_q + (i_t * BT + o_t[None, :]) * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0
-            )
-            b_rq = _gdn_rstd(rq, bos + i_t * BT, o_t, m_t, i_h, H, L2NORM)
-            b_qt = (b_qt * (tl.where(m_t, scale * tl.exp(b_g), 0.0) * b_rq)[None, :]).to(DT)
-            b_do = tl.load(do + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_wt = tl.load(w + p_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_dh = (
-                b_dh * tl.exp(b_g_last)
-                + tl.dot(b_qt, b_do.to(DT), input_precision=DOT_PREC)
-                - tl.dot(b_wt.to(DT), b_dvn.to(DT), input_precision=DOT_PREC)
-            )
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_kt = m_k[:, None] & m_t[None, :]
+            tl.store(dh + ((boh + i_t) * HV + i_hv) * (K * V) + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            b_g = tl.load(gc + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+            b_g_last = tl.load(gc + (t_c + n_in - 1) * HV + i_hv)
+            # Row scalings go on the [BT, BV] results and cotangents, not on the [BT, BK] q/k tiles.
+            b_sk = tl.where(m_t, tl.exp(b_g_last - b_g), 0.0) * _gdn_rstd(rk, t_c, o_t, m_t, i_h, H, L2NORM)
+            b_sq = tl.where(m_t, scale * tl.exp(b_g), 0.0) * _gdn_rstd(rq, t_c, o_t, m_t, i_h, H, L2NORM)
+            p_qk = (t_c * H + i_h) * K
+            b_k = tl.load(k + p_qk + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+            p_tv = (t_c * HV + i_hv) * V
+            b_dvn = tl.dot(b_k.to(DT), b_dh.to(DT), input_precision=DOT_PREC) * b_sk[:, None]
+            b_dvn += tl.load(dvl + p_tv + o_tv, mask=m_tv, other=0.0).to(tl.float32)
+            b_dvn = b_dvn.to(dvn.dtype.element_ty)
+            tl.store(dvn + p_tv + o_tv, b_dvn, mask=m_tv)
+            b_do = tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_sq[:, None]
+            b_qt = tl.load(q + p_qk + o_t[None, :] * (H * K) + o_k[:, None], mask=m_kt, other=0.0)
+            b_wt = tl.load(w + (t_c * HV + i_hv) * K + o_t[None, :] * (HV * K) + o_k[:, None], mask=m_kt, other=0.0)
+            b_dh = b_dh * tl.exp(b_g_last)
+            b_dh = tl.dot(b_qt.to(DT), b_do.to(DT), b_dh, input_precision=DOT_PREC)
+            b_dh = tl.dot(b_wt.to(DT), -b_dvn.to(DT), b_dh, input_precision=DOT_PREC)
         if STORE_DH0:
-            tl.store(dh0 + p_state, b_dh, mask=m_kv)
+            tl.store(dh0 + p_s + o_kv, b_dh, mask=m_kv)
 
 
 def _state_meta(shape: dict) -> dict:
@@ -215,13 +235,14 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_state_fwd(k, rk, w, u, gc, h0, output_final_state: bool, plan: ChunkPlan):
-    """k [B, T, H, K], w [B, T, HV, K], u [B, T, HV, V], gc [B, T, HV], h0 [N, HV, K, V] or None
-    -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] (k dtype), ht [N, HV, K, V] fp32 or None."""
+def gdn_state_fwd(k, rk, w, v, beta, Ai, gc, h0, output_final_state: bool, plan: ChunkPlan):
+    """k [B, T, H, K], w [B, T, HV, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT],
+    h0 [N, HV, K, V] or None -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] fp32,
+    ht [N, HV, K, V] fp32 or None."""
     B, T, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
+    HV, V = v.shape[2], v.shape[3]
     h = torch.empty(plan.NT, HV, K, V, dtype=k.dtype, device=k.device)
-    vn = torch.empty_like(u)
+    vn = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
     ht = torch.empty(plan.N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     launch(
         _gdn_state_fwd_kernel,
@@ -231,7 +252,9 @@ def gdn_state_fwd(k, rk, w, u, gc, h0, output_final_state: bool, plan: ChunkPlan
         k=k,
         rk=rk,
         w=w,
-        u=u,
+        v=v,
+        beta=beta,
+        Ai=Ai,
         gc=gc,
         h0=h0,
         h=h,

@@ -1,7 +1,7 @@
 """WY representation of the chunked gated delta rule, forward and backward.
 
 Forward, per chunk and value head (Ai = (I + A)^-1 from `solve.py`):
-    W = Ai diag(beta exp(G)) K   [BT, K]      U = Ai diag(beta) V   [BT, V]
+    W = Ai diag(beta exp(G)) K   [BT, K]      (U = Ai diag(beta) V [BT, V] is formed in `state.py`)
 Backward, given dW and dU (= dv_new) from the state/output stages, through W, U and
 A = diag(beta) (K K^T * exp(G_i - G_j)) (strictly lower) to dk, dv, dbeta and the log-decay,
 then the reverse in-chunk cumsum to dg and, for the in-kernel gate, to da / dA_log.
@@ -15,37 +15,34 @@ import triton.language as tl
 
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
+from .output import _output_bwd_meta
 
-WU_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 128, "num_warps": 8}]
-WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 4}]
+W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}]
+WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}]
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def _gdn_wy_fwd_kernel(
     k,
     rk,
-    v,
     beta,
     gc,
     Ai,
     w,
-    u,
     cu_seqlens,
     chunk_table,
     n_chunks,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     L2NORM: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One program per (chunk, value head) tile (1-D grid, looping): w = Ai (beta exp(G) k) and
-    u = Ai (beta v), written in k's dtype."""
+    """One program per (chunk, value head) tile (1-D grid, looping): w = Ai (beta exp(G) k), written
+    in k's dtype. (u = Ai (beta v) is formed by the state stage, which consumes it.)"""
     i_p = tl.program_id(0)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -54,25 +51,17 @@ def _gdn_wy_fwd_kernel(
         i_c, i_hv = i_tile // HV, i_tile % HV
         t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
         m_t = o_t < n_left
-        p_tok = (t0 + o_t) * HV + i_hv
-        b_beta = tl.load(beta + p_tok, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
-        p_Ai = Ai + (t0 * HV + i_hv) * BT
+        # Scalar int64 bases plus small int32 tile offsets (int64 offset tiles cost registers).
+        p_t1 = t0 * HV + i_hv
+        b_beta = tl.load(beta + p_t1 + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(gc + p_t1 + o_t * HV, mask=m_t, other=0.0)
         i_h = i_hv // (HV // H)
         b_r = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
-        p_k = k + (t0 + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
-        b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = tl.load(k + (t0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_kb = (b_k * (b_beta * tl.exp(b_g) * b_r)[:, None]).to(DT)
-        b_w = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(DT), b_kb, input_precision=DOT_PREC)
-        tl.store(w + p_tok[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            b_v = tl.load(v + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_vb = (b_v * b_beta[:, None]).to(DT)
-            # Ai reloaded per dot: Ascend's tl.dot may overwrite its left operand.
-            b_u = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(DT), b_vb, input_precision=DOT_PREC)
-            tl.store(u + p_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+        b_w = tl.dot(_gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, False, HV * BT).to(DT), b_kb, input_precision=DOT_PREC)
+        tl.store(w + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "n_tokens"])
@@ -104,7 +93,7 @@ def _gdn_wy_bwd_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
-    BK: tl.constexpr,
+    BKC: tl.constexpr,
     BV: tl.constexpr,
     NK: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
@@ -113,26 +102,25 @@ def _gdn_wy_bwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """One program per (chunk, value head) tile (1-D grid, looping). From dW [T, HV, K] and
-    dU = dv_new [T, HV, V]: dk (WY part, fp32, per value head), dv, dbeta, and the log-decay
+    dU = dv_new [T, HV, V]: dk (the WY part, added in place to the output stage's dk per value head), dv, dbeta, and the log-decay
     gradient: dgam [NK, T, HV] and dgl [NK, NT, HV] (partials from the output stage) plus this
     stage's terms, reverse-cumsummed in the chunk -> dg (or da and dA_log per token)."""
     i_p = tl.program_id(0)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     m_lo = o_t[:, None] > o_t[None, :]
     for i_tile in range(i_p, n_chunks * HV, tl.num_programs(0)):
         i_c, i_hv = i_tile // HV, i_tile % HV
         t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
         m_t = o_t < n_left
-        m_tk = m_t[:, None] & m_k[None, :]
         p_tok = (t0 + o_t) * HV + i_hv
-        b_beta = tl.load(beta + p_tok, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
+        # Scalar int64 bases plus small int32 tile offsets (int64 offset tiles cost registers).
+        p_t1 = t0 * HV + i_hv
+        b_beta = tl.load(beta + p_t1 + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.load(gc + p_t1 + o_t * HV, mask=m_t, other=0.0)
         b_eg = tl.where(m_t, tl.exp(b_g), 0.0)
-        p_Ai = Ai + (t0 * HV + i_hv) * BT
+        p_Ai = Ai + p_t1 * BT
         i_h = i_hv // (HV // H)
-        p_k = k + (t0 + o_t) * (H * K) + i_h * K
+        p_k = k + (t0 * H + i_h) * K
         b_r = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
         b_s = b_beta * b_eg * b_r  # W's row scale on the raw keys
 
@@ -143,24 +131,44 @@ def _gdn_wy_bwd_kernel(
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
-            b_dvn = tl.load(dvn + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_v = tl.load(v + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_vt = tl.load(v + p_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+            b_dvn = tl.load(dvn + p_t1 * V + o_tv, mask=m_tv, other=0.0)
             b_dvb = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(DT), b_dvn.to(DT), input_precision=DOT_PREC)
-            tl.store(
-                dv + p_tok[:, None] * V + o_v[None, :], (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv
-            )
+            tl.store(dv + p_t1 * V + o_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            b_v = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32)
             b_dbeta += tl.sum(b_v * b_dvb, 1)
-            b_vbt = (b_vt * b_beta[None, :]).to(DT)
-            b_dT += tl.dot(b_dvn.to(DT), b_vbt, input_precision=DOT_PREC)
+            b_vt = tl.load(
+                v + p_t1 * V + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
+            )
+            b_dT += tl.dot(b_dvn.to(DT), (b_vt * b_beta[None, :]).to(DT), input_precision=DOT_PREC)
 
-        # dW (beta exp(G) K)^T; K K^T for the A terms.
-        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
-        b_kt = tl.load(p_k[None, :] + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        b_dw = tl.load(dw + p_tok[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_kk = tl.dot(b_k.to(DT), b_kt.to(DT), input_precision=DOT_PREC) * b_r[:, None] * b_r[None, :]
-        b_kbt = (b_kt * b_s[None, :]).to(DT)
-        b_dT += tl.dot(b_dw.to(DT), b_kbt, input_precision=DOT_PREC)
+        # M = dW K^T and K K^T (raw keys), over BKC-wide column blocks of K.
+        b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_m = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BKC)):
+            o_k = i_k * BKC + tl.arange(0, BKC)
+            m_k = o_k < K
+            b_kt = tl.load(p_k + o_t[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_kk += tl.dot(
+                tl.load(p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(
+                    DT
+                ),
+                b_kt.to(DT),
+                input_precision=DOT_PREC,
+            )
+            b_m += tl.dot(
+                tl.load(
+                    dw + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+                ).to(DT),
+                b_kt.to(DT),
+                input_precision=DOT_PREC,
+            )
+        b_kk = b_kk * b_r[:, None] * b_r[None, :]
+        b_dT += b_m * b_s[None, :]  # dW (beta exp(G) K)^T
+        # k_i . (Ai^T dW)_i = sum_j Ai_ji M_ji: the W part of dbeta and of the log-decay, from M
+        # rather than from a [BT, K] product.
+        b_kdkb = tl.sum(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(tl.float32) * b_m, 0) * b_r
+        b_dbeta += b_eg * b_kdkb
 
         # dA = -(Ai^T dT Ai^T), strictly lower, valid rows only.
         b_x = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32), b_dT, input_precision=DOT_PREC)
@@ -170,24 +178,32 @@ def _gdn_wy_bwd_kernel(
         b_z = b_dA * b_kk
         b_dbeta += tl.sum(b_z, 1)
         b_z = b_z * b_beta[:, None]  # dA * A
-        b_dgam = tl.sum(b_z, 1) - tl.sum(b_z, 0)
+        b_dgam = tl.sum(b_z, 1) - tl.sum(b_z, 0) + b_beta * b_eg * b_kdkb
         b_y = b_dA * b_beta[:, None]
         # Y + Y^T through one [BT, BT] fp32 transpose (16 KiB, declared in KERNEL_LAUNCHES): a second
         # dA^T = -(Ai dT^T Ai) chain would double this kernel's tl.dot work.
         b_y = b_y + tl.trans(b_y)
 
-        # dk = beta exp(G) (Ai^T dW) + (Y + Y^T) K.
-        # dW reloaded: it was a left tl.dot operand above.
-        b_dw = tl.load(dw + p_tok[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dkb = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(DT), b_dw.to(DT), input_precision=DOT_PREC)
-        b_kf = tl.load(p_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
-        b_dk = tl.dot(b_y * b_r[None, :], b_kf.to(tl.float32), input_precision=DOT_PREC)
-        b_kdkb = tl.sum(b_kf.to(tl.float32) * b_dkb, 1) * b_r
-        b_dk += b_dkb * (b_beta * b_eg)[:, None]
-        b_dbeta += b_eg * b_kdkb
-        b_dgam += b_beta * b_eg * b_kdkb
-        tl.store(dk + p_tok[:, None] * K + o_k[None, :], b_dk, mask=m_tk)
-        tl.store(dbeta + p_tok, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+        # dk = diag(beta exp(G)) Ai^T dW + (Y + Y^T) K, one BKC-wide column block at a time.
+        for i_k in range(0, tl.cdiv(K, BKC)):
+            o_k = i_k * BKC + tl.arange(0, BKC)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            b_dk = tl.dot(
+                b_y * b_r[None, :],
+                tl.load(p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32),
+                input_precision=DOT_PREC,
+            )
+            b_dk = tl.dot(
+                (_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32) * (b_beta * b_eg)[:, None]).to(DT),
+                tl.load(dw + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT),
+                b_dk,
+                input_precision=DOT_PREC,
+            )
+            # dk holds the output stage's part of this (token, value head) row: add it in place.
+            p_dk = dk + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :]
+            b_dk += tl.load(p_dk, mask=m_tk, other=0.0).to(tl.float32)
+            tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dbeta + p_t1 + o_t * HV, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
 
         # Log-decay: the output stage's partials, then dg_i = sum_{j >= i} dG_j + dG_last.
         b_dgl = 0.0
@@ -210,7 +226,13 @@ def _gdn_wy_bwd_kernel(
 
 
 def _wy_meta(shape: dict) -> dict:
-    return {"BT": BT, "BK": next_pow2(shape["K"]), "NK": cdiv(shape["K"], 64)}
+    return {"BT": BT, "BK": next_pow2(shape["K"])}
+
+
+def _wy_bwd_meta(shape: dict) -> dict:
+    # BKC: the K column block of the backward (two [BT, 64] tiles live rather than [BT, 128] ones);
+    # NK: the number of K blocks whose log-decay partials the output backward wrote.
+    return {"BT": BT, "BKC": min(64, next_pow2(shape["K"])), "NK": _output_bwd_meta(shape)["NK"]}
 
 
 def _wy_grid(meta: dict) -> tuple[int]:
@@ -223,7 +245,7 @@ def _wy_max_tiles(shape: dict) -> dict:
 
 KERNEL_LAUNCHES = {
     "_gdn_wy_fwd_kernel": {
-        "configs": WU_CONFIGS,
+        "configs": W_CONFIGS,
         "meta": _wy_meta,
         "grid": _wy_grid,
         "runtime": _wy_max_tiles,
@@ -232,7 +254,7 @@ KERNEL_LAUNCHES = {
     "_gdn_wy_bwd_kernel": {
         "trans": {"b_y": ("BT", "BT")},
         "configs": WY_BWD_CONFIGS,
-        "meta": _wy_meta,
+        "meta": _wy_bwd_meta,
         "grid": _wy_grid,
         "runtime": _wy_max_tiles,
         "max_shapes": MAX_SHAPES,
@@ -240,57 +262,51 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_wy_fwd(
-    k: torch.Tensor, rk, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Ai: torch.Tensor, plan: ChunkPlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K], u [B, T, HV, V]."""
+def gdn_wy_fwd(k: torch.Tensor, rk, beta: torch.Tensor, gc: torch.Tensor, Ai: torch.Tensor, plan: ChunkPlan):
+    """k [B, T, H, K], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K] (k dtype)."""
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = beta.shape[2]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
-    meta = _wy_meta({"K": K})
-    meta.pop("NK")
     if plan.NT > 0:
         launch(
             _gdn_wy_fwd_kernel,
-            WU_CONFIGS,
-            ["H", "HV", "K", "V"],
+            W_CONFIGS,
+            ["H", "HV", "K"],
             _wy_grid,
             k=k,
             rk=rk,
-            v=v,
             beta=beta,
             gc=gc,
             Ai=Ai,
             w=w,
-            u=u,
-            **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
-            **meta,
+            **plan.tile_args(H, HV, K, None, k.dtype, l2norm=rk is not None),
+            **_wy_meta({"K": K}),
         )
-    return w, u
+    return w
 
 
-def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dgam, dgl, gate, g_dtype, plan: ChunkPlan):
+def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dk, dgam, dgl, gate, g_dtype, plan: ChunkPlan):
     """Backward of the WY stage and of the gate.
     k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT], dw [B, T, HV, K],
     dvn [B, T, HV, V], dgam [NK, B, T, HV] fp32, dgl [NK, NT, HV] fp32, gate (a, A_log, dt_bias) or None
-    -> dk [B, T, HV, K] fp32 (per value head), dv (v dtype), dbeta (beta dtype),
+    dk [B, T, HV, K] (k dtype; the output stage's part, to which the WY part is added in place)
+    -> dk, dv (v dtype), dbeta (beta dtype),
     dg [B, T, HV] (g_dtype; da for the in-kernel gate), dA_log_tok [B, T, HV] fp32 or None."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(B, T, HV, dtype=g_dtype, device=k.device)
     a, A_log, dt_bias = gate if gate is not None else (None, None, None)
     dA_log_tok = torch.empty(B, T, HV, dtype=torch.float32, device=k.device) if gate is not None else None
-    meta = _wy_meta({"K": K})
+    meta = _wy_bwd_meta({"K": K})
     if plan.NT > 0:
         launch(
             _gdn_wy_bwd_kernel,
             WY_BWD_CONFIGS,
             ["H", "HV", "K", "V"],
             _wy_grid,
+            restore=("dk",),
             k=k,
             rk=rk,
             v=v,

@@ -14,6 +14,7 @@ Tolerances (relative RMS error vs the fp64 reference on the same inputs):
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -167,12 +168,14 @@ def backward_pair(x, out, r, ref_out, seed=1):
 def check_against_reference(
     x, cu_seqlens=None, l2norm=True, dtype=torch.float32, ref=recurrent_gated_delta_rule_ref, dg_abs=None
 ):
-    """Ours vs the fp64 reference: outputs, final states and every gradient by relative RMS error.
-    dg_abs: compare dg by absolute RMS error instead (where the exact dg is ~0, e.g. decay to zero)."""
+    """Ours vs the fp64 reference: outputs, final states and every gradient by relative RMS error
+    (printed, for `pytest -s`). dg_abs: compare dg by absolute RMS error instead (where the exact dg
+    is ~0, e.g. decay to zero)."""
     tol = TOL[dtype]
     out = run_ours(x, cu_seqlens, l2norm)
     o_ref, ht_ref, r = run_reference(x, cu_seqlens, l2norm, ref=ref)
     assert out[0].dtype == x["q"].dtype and out[1].dtype == torch.float32
+    print(f"\n{dtype} rel-RMS vs fp64: o {rel_rms(o_ref, out[0]):.2e} ht {rel_rms(ht_ref, out[1]):.2e}", end="")
     assert_rel_rms("o", o_ref, out[0], tol["o"])
     assert_rel_rms("ht", ht_ref, out[1], tol["ht"])
     backward_pair(x, out, r, (o_ref, ht_ref))
@@ -183,6 +186,7 @@ def check_against_reference(
             assert torch.isfinite(t.grad).all()
             assert (t.grad.double() - r[name].grad).pow(2).mean().sqrt() <= dg_abs
             continue
+        print(f" {GRAD_NAMES[name]} {rel_rms(r[name].grad, t.grad):.2e}", end="")
         assert_rel_rms(GRAD_NAMES[name], r[name].grad, t.grad, tol[GRAD_NAMES[name]])
 
 
@@ -379,6 +383,25 @@ def test_gpu_long_bf16_stress_finite_and_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def _fla_first_configs_only():
+    """fla's first call autotunes about 80 kernel configs, which took over 170 s on the H200 (it did
+    not finish inside the test's time); a correctness comparison needs one config per kernel, so each
+    fla autotuner keeps its first. (`verl-moe bench gdn` times fla fully autotuned.)"""
+    from triton.runtime.autotuner import Autotuner
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            for _ in range(4):  # heuristics -> autotuner -> jit function
+                if isinstance(obj, Autotuner):
+                    obj.configs = obj.configs[:1]
+                    break
+                obj = getattr(obj, "fn", None)
+                if obj is None:
+                    break
+
+
 @pytest.mark.gpu
 def test_gpu_matches_fla():
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
@@ -387,6 +410,7 @@ def test_gpu_matches_fla():
     # fla 0.6 refuses its backward on Hopper with Triton < 3.7.1 (a guard against a miscompile it
     # saw at some tile sizes); its gradients are checked against the fp64 reference here.
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+    _fla_first_configs_only()
     x = make_inputs(2, 2048, dtype=torch.bfloat16, **QWEN)
     y = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     out = run_ours(x)
@@ -406,9 +430,19 @@ def test_gpu_matches_fla():
     do, dht = torch.randn(out[0].shape, generator=gen).to(DEV), torch.randn(out[1].shape, generator=gen).to(DEV)
     ((out_fla[0].float() * do).sum() + (out_fla[1] * dht).sum()).backward()
     tol = TOL[torch.bfloat16]
-    assert_rel_rms("o fla vs reference", o_ref, out_fla[0], tol["o"])
-    assert_rel_rms("o ours vs fla", out_fla[0], out[0], tol["o"])
-    for name in x:
-        grad = GRAD_NAMES[name]
-        assert_rel_rms(f"{grad} fla vs reference", r[name].grad, y[name].grad, tol[grad])
-        assert_rel_rms(f"{grad} ours vs fla", y[name].grad, x[name].grad, tol[grad])
+    pairs = [("o", o_ref, out_fla[0], out[0])] + [
+        (GRAD_NAMES[name], r[name].grad, y[name].grad, x[name].grad) for name in x
+    ]
+    for what, ref, theirs, ours in pairs:
+        errs = rel_rms(ref, ours), rel_rms(ref, theirs), rel_rms(theirs, ours)
+        print(
+            f"\n{what}: rel-RMS ours vs fp64 {errs[0]:.2e}, fla vs fp64 {errs[1]:.2e}, ours vs fla {errs[2]:.2e}",
+            end="",
+        )
+    for what, ref, theirs, ours in pairs:
+        assert_rel_rms(f"{what} ours vs reference", ref, ours, tol[what])
+        assert_rel_rms(f"{what} ours vs fla", theirs, ours, tol[what])
+        # fla's backward runs past its own Hopper guard here, so its gradients must match the
+        # reference; its bf16 o error is fla's own property (printed above), not asserted.
+        if what != "o":
+            assert_rel_rms(f"{what} fla vs reference", ref, theirs, tol[what])
