@@ -6,7 +6,8 @@
   launched with torchrun; this module's `__main__` is the per-rank worker.
 - `veomni`: our `MoeVeOmniEngine` (VeOmni's parallel state), launched like fsdp2; option
   `ep=N` splits the routed experts over N ranks (expert parallelism).
-- `megatron`: reported as skipped with the reason when it cannot run here.
+- `megatron`: megatron-core's `GPTModel` on its local layer specs from the converted HF weights
+  (`tools/align_megatron.py`, GPU only); reported as skipped with the reason where it cannot run.
 
 A backend is named `name[:key=value[:key=value...]]`; keys: `dtype` (fp64|fp32|bf16),
 `router` (bf16|fp32|fp64: the router's compute dtype), `world` (ranks), `ep` (veomni: expert-
@@ -18,6 +19,7 @@ parallel size), and
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -379,11 +381,8 @@ class RouterRecorder:
 
 def unavailable(spec: BackendSpec) -> str | None:
     """Why `spec` cannot run on this machine, or None when it can."""
-    if spec.name == "veomni":
-        try:
-            from verl_moe.engines import veomni  # noqa: F401
-        except ImportError as e:
-            return f"verl_moe.engines.veomni is not importable ({e}); pip install 'verl-moe[veomni]'"
+    if spec.name == "veomni" and importlib.util.find_spec("veomni") is None:  # not imported here: it logs a banner
+        return "VeOmni is not installed (pip install --no-deps 'verl-moe[veomni]'; see scripts/install.sh)"
     if spec.name == "megatron":
         from .align_megatron import megatron_unavailable
 

@@ -104,6 +104,8 @@ def main() -> None:
     # verl warns at import about every optional engine it lacks (torchtitan, megatron, ...); none of
     # them is used by these tools, so the warnings would only bury the report.
     warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+    # megatron-core (imported by verl when installed) warns that it falls back to torch without TE / Apex
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning)
     app()
 
 
