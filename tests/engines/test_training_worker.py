@@ -1,11 +1,13 @@
-"""verl's own TrainingWorker, 2 Ray workers on the cpu platform, running MoeFsdp2Engine.
+"""verl's own TrainingWorker, 2 Ray workers on the cpu platform, running MoeFsdp2Engine and
+MoeVeOmniEngine (the latter with the experts split over both workers).
 
 `VERL_PLATFORM=cpu` (tests/engines/conftest.py) reaches the Ray workers through the
 environment; verl's unmodified `RayResourcePool(process_on_nodes=[2])` then asks for one CPU
 per worker. Checked against plain autograd through the spec in this process: infer log-probs
 (max abs 1e-5), and after train_mini_batch the loss and grad norm (relative 1e-5); once with two
-data-parallel ranks and once with one Ulysses SP=2 group (verl dispatches the batch by our
-data-parallel rank and collects outputs from SP rank 0 only).
+data-parallel ranks, once with one Ulysses SP=2 group (verl dispatches the batch by our
+data-parallel rank and collects outputs from SP rank 0 only), and once through the veomni backend
+with expert parallelism 2 (what `model_engine=veomni` builds).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from engine_setup import (
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
-from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, VeOmniOptimizerConfig
 from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
 from verl.workers.utils.padding import no_padding_2_padding
-from verl_moe.engines.config import MoeFsdp2EngineConfig
+from verl_moe.engines.config import MoeFsdp2EngineConfig, MoeVeOmniEngineConfig
 
 BATCH, PROMPT, RESPONSE = 8, 5, 6
 
@@ -47,21 +49,27 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [1, 2], ids=["dp2", "sp2"])
-def test_training_worker_runs_our_engine(tmp_path, ray_cluster, sp):
+@pytest.mark.parametrize(
+    ("backend", "sp"), [("fsdp2", 1), ("fsdp2", 2), ("veomni", 1)], ids=["dp2", "sp2", "veomni_ep2"]
+)
+def test_training_worker_runs_our_engine(tmp_path, ray_cluster, backend, sp):
     path = write_tiny_model(str(tmp_path / "model"))
-    engine_config = MoeFsdp2EngineConfig(
-        ulysses_sequence_parallel_size=sp,
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"},
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=24,
-        infer_max_token_len_per_gpu=30,
-    )
+    batching = dict(use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=30)
+    if backend == "veomni":
+        engine_config = MoeVeOmniEngineConfig(expert_parallel_size=2, param_dtype="fp32", **batching)
+        optimizer_config = VeOmniOptimizerConfig(lr=1e-3)
+    else:
+        engine_config = MoeFsdp2EngineConfig(
+            ulysses_sequence_parallel_size=sp,
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"},
+            **batching,
+        )
+        optimizer_config = FSDPOptimizerConfig(lr=1e-3)
     config = TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(path=path, load_tokenizer=False),
         engine_config=engine_config,
-        optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+        optimizer_config=optimizer_config,
         checkpoint_config=CheckpointConfig(),
     )
     workers = RayWorkerGroup(

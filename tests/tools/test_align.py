@@ -294,3 +294,21 @@ def test_bf16_router_in_the_fp64_reference_is_flagged(tmp_path):
     report = align.run(cfg)
     (pair,) = report["pairs"]
     assert pair["precision"] == "fp64" and not pair["ok"] and report["exit_code"] == 1
+
+
+@pytest.mark.dist
+def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path):
+    """The attention-only preset (no GatedDeltaNet) through both engines, experts split over 2 ranks."""
+    cfg = align.AlignConfig(
+        preset="tiny-qwen3-moe",
+        backends=("reference", "fsdp2", "veomni:ep=2"),
+        steps=2,
+        out=str(tmp_path),
+        progress=False,
+    )
+    report = align.run(cfg)
+    assert [b["status"] for b in report["backends"]] == ["ok", "ok", "ok"]
+    for pair in report["pairs"]:
+        assert pair["ok"], (pair["b"], pair["first_exceeded"])
+        assert pair["one_step"]["router_flip_rate"] == 0.0
+    assert report["exit_code"] == 0
