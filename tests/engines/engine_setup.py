@@ -147,7 +147,7 @@ def build_engine(
     return engine
 
 
-def build_veomni_engine(path: str, optimizer: dict | None = None, **engine_overrides):
+def build_veomni_engine(path: str, optimizer: dict | None = None, checkpoint_config=None, **engine_overrides):
     """MoeVeOmniEngine (through verl's registry, backend "veomni") on an HF folder: fp32 master
     weights and fp32 compute unless overridden; `optimizer` overrides VeOmniOptimizerConfig
     fields (default lr 1e-3, the same AdamW settings as `build_engine`)."""
@@ -166,7 +166,7 @@ def build_veomni_engine(path: str, optimizer: dict | None = None, **engine_overr
         model_config=HFModelConfig(path=path, load_tokenizer=False),
         engine_config=MoeVeOmniEngineConfig(**kwargs),
         optimizer_config=VeOmniOptimizerConfig(**{"lr": 1e-3, **(optimizer or {})}),
-        checkpoint_config=None,
+        checkpoint_config=checkpoint_config,
     )
     engine.initialize()
     return engine
