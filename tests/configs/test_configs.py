@@ -14,7 +14,12 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from verl.utils.config import omega_conf_to_dataclass
-from verl_moe.engines.config import MoeFsdp2EngineConfig, MoeVeOmniEngineConfig, validate_actor_config
+from verl_moe.engines.config import (
+    MoeFsdp2EngineConfig,
+    MoeVeOmniEngineConfig,
+    engine_layout,
+    validate_actor_config,
+)
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(verl_moe.configs.__file__))
 RECIPES = sorted(name[: -len(".yaml")] for name in os.listdir(os.path.join(CONFIG_DIR, "recipe")))
@@ -76,9 +81,11 @@ def test_recipe_builds_engine_configs(recipe):
         assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 20480)
         assert (cfg.data.train_batch_size, cfg.data.gen_batch_size) == (512, 1536)
         assert actor.engine.param_offload and actor.engine.optimizer_offload and actor.engine.fsdp_size == -1
-        assert actor.engine.ulysses_sequence_parallel_size == 8 and ref.engine.ulysses_sequence_parallel_size == 8
+        assert engine_layout(actor.engine).sequence_parallel_size == 8
+        assert engine_layout(ref.engine).sequence_parallel_size == 8
+        assert engine_layout(actor.engine).expert_parallel_size == (8 if "veomni" in recipe else 1)
         assert cfg.trainer.device == ("npu" if recipe.endswith("_npu") else "cuda")
-        loss = recipe.split("_")[-2]
+        (loss,) = [part for part in recipe.split("_") if part in ("grpo", "gspo", "dapo")]
         assert actor.policy_loss.loss_mode == ("gspo" if loss == "gspo" else "vanilla")
         assert actor.use_kl_loss == (loss == "grpo")
         assert cfg.algorithm.filter_groups.enable == (loss == "dapo")
