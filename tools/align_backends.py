@@ -214,6 +214,16 @@ def to_verl(batch: dict[str, torch.Tensor], temperature: float, global_batch_siz
     return left_right_2_no_padding(td)
 
 
+def rank_batch(batch: dict[str, torch.Tensor], step: int, rank: int, world: int, temperature: float):
+    """This rank's contiguous block of a padded batch's rows (as verl dispatches), in verl's
+    no-padding layout; ValueError when the rows do not split evenly over the ranks."""
+    n = batch["input_ids"].shape[0]
+    if n % world:
+        raise ValueError(f"step {step}: {n} sequences do not split over {world} ranks")
+    rows = slice(rank * n // world, (rank + 1) * n // world)
+    return to_verl({key: v[rows] for key, v in batch.items()}, temperature, global_batch_size=n)
+
+
 def response_values(per_token: torch.Tensor, td) -> torch.Tensor:
     """Per-token values over the packed sequences (nested or [T]) -> [NR] over response tokens, batch order."""
     from verl.workers.utils.padding import no_padding_2_padding
@@ -555,10 +565,7 @@ def run_engine_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace |
     start = time.perf_counter()
     for k, batch in enumerate(stream):
         n = batch["input_ids"].shape[0]
-        if n % world:
-            raise ValueError(f"step {k}: {n} sequences do not split over {world} ranks")
-        rows = slice(rank * n // world, (rank + 1) * n // world)
-        td = to_verl({key: v[rows] for key, v in batch.items()}, train.temperature, global_batch_size=n)
+        td = rank_batch(batch, k, rank, world, train.temperature)
         tu.assign_non_tensor(
             td,
             use_dynamic_bsz=False,

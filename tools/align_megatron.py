@@ -63,8 +63,8 @@ from .align_backends import (
     _settings,
     actor_config,
     parse_backend,
+    rank_batch,
     response_values,
-    to_verl,
 )
 from .align_metrics import BackendTrace, Probe, StepTrace
 
@@ -543,11 +543,7 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
     loss_config = actor_config(train)
     start = time.perf_counter()
     for k, batch in enumerate(stream):
-        n = batch["input_ids"].shape[0]
-        if n % world:
-            raise ValueError(f"step {k}: {n} sequences do not split over {world} ranks")
-        rows = slice(rank * n // world, (rank + 1) * n // world)
-        td = to_verl({key: v[rows] for key, v in batch.items()}, train.temperature, global_batch_size=n).to(dev)
+        td = rank_batch(batch, k, rank, world, train.temperature).to(dev)
         optimizer.zero_grad()
         out = forward_backward(mm, td, train.temperature, loss_config, dp_size=world)
         grads = probe.take(mm.named_main_grads())  # already reduced over the ranks

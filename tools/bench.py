@@ -33,7 +33,8 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)
 
 
-def _time_ms(fn, reps: int) -> float:
+def time_ms(fn, reps: int) -> float:
+    """Median wall time in ms of `reps` synchronised calls of `fn`."""
     times = []
     for _ in range(reps):
         device.synchronize()
@@ -98,7 +99,7 @@ def run(cfg: BenchConfig) -> dict:
                 err = max(measured) if measured else float("nan")
                 ok = err != err or err <= bench.TOLERANCE.get(p, 0.0)
                 del out
-                ms = _time_ms(call, cfg.reps)
+                ms = time_ms(call, cfg.reps)
                 mem = _peak_extra_gib(call)
                 timings[p] = ms
                 rows.append(

@@ -11,25 +11,13 @@ from __future__ import annotations
 
 import functools
 import gc
-import statistics
 import sys
-import time
 
 import torch
 
+from ...tools.bench import time_ms
 from .. import device
 from . import bench
-
-
-def _wall_ms(fn, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        device.synchronize()
-        start = time.perf_counter()
-        fn()
-        device.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _kernel_ms(fn, calls: int = 3) -> dict[str, float]:
@@ -57,7 +45,7 @@ def profile_cases(providers: list[str], case_ids: list[str]) -> None:
                 call = functools.partial(bench.run, provider, inputs, mode)
                 for _ in range(3):
                     call()
-                ms = _wall_ms(call)
+                ms = time_ms(call)
                 device.synchronize()
                 device.reset_peak_memory_stats()
                 before = device.memory_stats()["allocated_gib"] * 2**30
