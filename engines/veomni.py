@@ -62,6 +62,16 @@ class MoeVeOmniEngine(MoeFsdp2Engine):
     configuration before anything is built.
     """
 
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        if optimizer_config is not None:  # checked before any process group or mesh is built
+            if optimizer_config.optimizer != "adamw":
+                raise ValueError(f"optimizer={optimizer_config.optimizer!r}: MoeVeOmniEngine builds adamw only")
+            if optimizer_config.lr_scheduler_type not in ("constant", "linear", "cosine"):
+                raise ValueError(
+                    f"lr_scheduler_type {optimizer_config.lr_scheduler_type!r}: expected constant, linear or cosine"
+                )
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
     def _build_parallel_layout(self, world_size: int) -> None:
         layout = self.layout
         ps = init_veomni_parallel_state(
@@ -112,8 +122,6 @@ class MoeVeOmniEngine(MoeFsdp2Engine):
 
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         oc = self.optimizer_config
-        if oc.optimizer != "adamw":
-            raise ValueError(f"optimizer={oc.optimizer!r}: MoeVeOmniEngine builds adamw only")
         return torch.optim.AdamW(
             module.parameters(),
             lr=oc.lr,
@@ -124,8 +132,6 @@ class MoeVeOmniEngine(MoeFsdp2Engine):
 
     def _build_lr_scheduler(self, optimizer):
         oc = self.optimizer_config
-        if oc.lr_scheduler_type not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_scheduler_type {oc.lr_scheduler_type!r}: expected constant, linear or cosine")
         return build_lr_scheduler(
             optimizer,
             train_steps=oc.total_training_steps,

@@ -168,3 +168,15 @@ def test_unsupported_model_and_tied_embeddings_raise():
 def test_registration_is_idempotent():
     plugin.register_all()  # a second call must not trip verl's duplicate-key assertion
     assert plugin.override_enabled()
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "message"), [(dict(optimizer="muon"), "adamw only"), (dict(lr_scheduler_type="wsd"), "'wsd'")]
+)
+def test_veomni_engine_refuses_optimizers_it_does_not_build(optimizer, message):
+    from verl.workers.config import VeOmniOptimizerConfig
+    from verl_moe.engines.config import MoeVeOmniEngineConfig
+    from verl_moe.engines.veomni import MoeVeOmniEngine
+
+    with pytest.raises(ValueError, match=message):
+        MoeVeOmniEngine(_model_config(), MoeVeOmniEngineConfig(), VeOmniOptimizerConfig(**optimizer), None)
