@@ -9,4 +9,6 @@ get .whl fla-core==0.6.0 liger-kernel==0.8.5                     # benchmark anc
 get .whl/align megatron-core==0.19.2 verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.1 \
   antlr4-python3-runtime==4.9.3 codetiming==1.4.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 \
   orjson==3.13.0 pyvers==0.1.0                                    # the align tool's imports
-ls -la .whl .whl/align
+# optional, for the veomni backend on the GPU (its imports on the device are not verified yet)
+get .whl/veomni veomni==0.1.12 blobfile==3.3.0 tiktoken==0.14.0 einops==0.8.2
+ls -la .whl .whl/align .whl/veomni
