@@ -81,3 +81,22 @@ def _bad_ids(rank: int, world_size: int) -> None:
 
 def test_out_of_range_expert_ids_raise_before_communication():
     spawn(_bad_ids, 2)
+
+
+def _grad_scale(rank: int, world_size: int) -> None:
+    gate_up, down = _full_weights()
+    h, idx, w, dy = _rank_tokens(rank, "random")
+    local = slice(rank * E // world_size, (rank + 1) * E // world_size)
+    grads = []
+    for scale in (1.0, 0.5):
+        ep = ExpertParallelGroup(group=dist.group.WORLD, size=world_size, rank=rank, weight_grad_scale=scale)
+        args = [t.clone().requires_grad_() for t in (h, gate_up[local], down[local], w)]
+        out = moe_experts_expert_parallel(args[0], args[1], args[2], idx, args[3], ep)
+        grads.append(torch.autograd.grad((out * dy).sum(), args))
+    (dh, dgu, ddn, dw), (dh_s, dgu_s, ddn_s, dw_s) = grads
+    assert torch.equal(dh, dh_s) and torch.equal(dw, dw_s)  # only the expert weights' gradients scale
+    assert torch.equal(dgu * 0.5, dgu_s) and torch.equal(ddn * 0.5, ddn_s)
+
+
+def test_weight_grad_scale_scales_only_the_expert_weight_gradients():
+    spawn(_grad_scale, 2)
