@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..ops import device
@@ -63,8 +64,10 @@ def _errors(ref_out: list, out: list) -> list[float]:
     return [float("nan") if r is None or o is None else rel_rms(r, o) for r, o in zip(ref_out, out)]
 
 
-def run(cfg: BenchConfig) -> dict:
-    """Run the benchmark of `cfg.op`; returns the report dict (also written to cfg.json_path)."""
+def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Run the benchmark of `cfg.op`; returns the report dict, also written to cfg.json_path after
+    every (case, mode), so a run cut short keeps what it measured. `on_row` sees each row as soon
+    as it is measured (its ratio columns come with the report)."""
     # `model` is the end-to-end training step (models/bench.py); every other name is an op folder.
     module = "verl_moe.models.bench" if cfg.op == "model" else f"verl_moe.ops.{cfg.op}.bench"
     bench = importlib.import_module(module)
@@ -81,6 +84,15 @@ def run(cfg: BenchConfig) -> dict:
         reason = bench.unavailable(p)
         if reason:
             skipped[p] = reason
+    report = {
+        "schema": 1,
+        "tool": "bench",
+        "op": cfg.op,
+        "argv": sys.argv,
+        **environment(),
+        "skipped_providers": skipped,
+        "rows": rows,
+    }
     active = [p for p in providers if p not in skipped]
     for case in cases if active else []:
         for mode in cfg.modes or bench.MODES:
@@ -114,25 +126,32 @@ def run(cfg: BenchConfig) -> dict:
                         "check_ok": ok,
                     }
                 )
+                if on_row:
+                    on_row(rows[-1])
             ours = active[0] if active else None
             for row in rows:
                 if row["case"] == case["id"] and row["mode"] == mode and ours in timings:
                     row[f"ratio_{ours}_over_this"] = timings[ours] / row["ms"]
             del inputs
             device.empty_cache()
-    report = {
-        "schema": 1,
-        "tool": "bench",
-        "op": cfg.op,
-        "argv": sys.argv,
-        **environment(),
-        "skipped_providers": skipped,
-        "rows": rows,
-    }
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(report, f, indent=2)
+            _write(report, cfg.json_path)
+    _write(report, cfg.json_path)
     return report
+
+
+def _write(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def print_row(row: dict) -> None:
+    """One progress line per measured row (the table follows at the end)."""
+    print(
+        f"{row['case']} {row['mode']} {row['provider']}: {row['ms']:.3f} ms, peak +{row['peak_extra_gib']:.2f} GiB, "
+        f"rel-RMS {row['rel_rms_vs_ref']:.2e}{'' if row['check_ok'] else '  CHECK FAILED'}",
+        flush=True,
+    )
 
 
 def print_report(report: dict) -> None:

@@ -19,7 +19,7 @@ def bench(
     json_path: str = typer.Option(None, "--json", help="write the report JSON here"),
 ):
     """Time every provider of one op in one process, after a correctness check."""
-    from .bench import BenchConfig, print_report, run
+    from .bench import BenchConfig, print_report, print_row, run
 
     report = run(
         BenchConfig(
@@ -29,7 +29,8 @@ def bench(
             modes=tuple(mode),
             reps=reps,
             json_path=json_path,
-        )
+        ),
+        on_row=print_row,
     )
     print_report(report)
     if not all(r["check_ok"] for r in report["rows"]):

@@ -64,3 +64,27 @@ def test_unavailable_provider_is_skipped_with_its_reason(tiny_logprob):
     report = bench.run(bench.BenchConfig(op="logprob", providers=("naive", "liger"), modes=("fwd",), reps=1))
     assert "liger" in report["skipped_providers"]
     assert {r["provider"] for r in report["rows"]} == {"naive"}
+
+
+def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_path):
+    """Each row reaches `on_row` when measured; the JSON is rewritten after every (case, mode), so a
+    failure in a later case leaves the finished rows on disk (what a timed-out device call needs)."""
+    broken = {**TINY, "id": "broken"}
+    real_make_inputs = logprob_bench.make_inputs
+
+    def make_inputs(case, dev):
+        if case["id"] == "broken":
+            raise RuntimeError("out of memory (simulated)")
+        return real_make_inputs(case, dev)
+
+    monkeypatch.setattr(logprob_bench, "CASES", [TINY, broken])
+    monkeypatch.setattr(logprob_bench, "make_inputs", make_inputs)
+    out, seen = tmp_path / "partial.json", []
+    cfg = bench.BenchConfig(op="logprob", providers=PROVIDERS[:2], warmup=1, reps=1, json_path=str(out))
+    with pytest.raises(RuntimeError, match="simulated"):
+        bench.run(cfg, on_row=seen.append)
+    on_disk = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["provider"]) for r in seen] == [(m, p) for m in ("fwd", "fwd_bwd") for p in PROVIDERS[:2]]
+    assert [(r["case"], r["mode"], r["provider"]) for r in on_disk] == [
+        (r["case"], r["mode"], r["provider"]) for r in seen
+    ]
