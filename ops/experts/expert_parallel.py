@@ -71,10 +71,7 @@ def moe_experts_expert_parallel(
     (global ids ep.rank * E_local ...). Returns [N, D] in hidden's dtype, equal to the single-rank
     op over the full weights. Every rank of the group must call it (collective)."""
     E_local = gate_up_local.shape[0]
-    # shapes and dtypes against the local weights; the id range against the global expert count
-    check_experts_inputs(hidden, gate_up_local, down_local, torch.zeros_like(topk_idx), topk_weight)
-    if topk_idx.numel() and (topk_idx.min() < 0 or topk_idx.max() >= E_local * ep.size):
-        raise ValueError(f"topk_idx values must be in [0, E={E_local * ep.size})")
+    check_experts_inputs(hidden, gate_up_local, down_local, topk_idx, topk_weight, num_experts=E_local * ep.size)
     N, TOPK = topk_idx.shape
     flat_idx = topk_idx.reshape(-1)
     order = torch.argsort(flat_idx, stable=True)

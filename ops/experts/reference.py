@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 
 
-def check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight) -> None:
-    """Raise ValueError for shapes and dtypes the expert op cannot take."""
+def check_experts_inputs(
+    hidden, gate_up_proj, down_proj, topk_idx, topk_weight, num_experts: int | None = None
+) -> None:
+    """Raise ValueError for shapes and dtypes the expert op cannot take. Expert ids must lie in
+    [0, num_experts) (default: the experts the weights hold; more under expert parallelism)."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, D], got {tuple(hidden.shape)}")
     N, D = hidden.shape
@@ -38,6 +41,7 @@ def check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
         )
     if not topk_weight.is_floating_point():
         raise ValueError(f"topk_weight must be floating point, got {topk_weight.dtype}")
+    E = E if num_experts is None else num_experts
     if topk_idx.numel() and (topk_idx.min() < 0 or topk_idx.max() >= E):
         raise ValueError(f"topk_idx values must be in [0, E={E})")
 
