@@ -22,7 +22,8 @@ report.json (schema 1; `REPORT_SCHEMA` is the JSON Schema, `validate_report` che
     golden      label of the backend every other one is compared with
     backends[]  {label, name, status ok|skipped|failed, reason, dtype, router_dtype, world_size,
                  wall_s, loss[k], grad_norm[k]}
-    pairs[]     {a, b, precision fp64|fp32|bf16, one_step {metric: value, grad_cosine {group: cos}},
+    pairs[]     golden vs each backend, then (all_pairs) every two others:
+                {a, b, precision fp64|fp32|bf16, one_step {metric: value, grad_cosine {group: cos}},
                  curves[k] (same rows per step), tolerances {metric: bound}, first_exceeded
                  {metric: step|null}, first_divergence_step, exceeded_at_step0 [metric], ok}
     router_ablation  {router_dtypes} or null;  plots {curves, logp_hist}: PNG paths
@@ -33,10 +34,12 @@ Non-finite numbers are written as null.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -121,6 +124,9 @@ class AlignConfig:
         backends without `world=` (None: the preset's). train: optimizer / schedule / loss knobs.
     old_logprob_noise: std of Gaussian noise added to the reference's θ0 log-probs to make
         `old_log_probs` (0: on-policy, ratio 1 at step 0).
+    all_pairs: also compare every two non-golden backends (e.g. fsdp2 vs megatron at the same dtype).
+    jobs: launched backends (all but the in-process reference) run this many at a time; on one
+        accelerator they then share it, so their wall times overlap and are not comparable.
     """
 
     preset: str | None = "tiny-qwen3.5-moe"
@@ -138,6 +144,8 @@ class AlignConfig:
     world_size: int | None = None
     train: ab.TrainSettings = field(default_factory=ab.TrainSettings)
     old_logprob_noise: float = 0.0
+    jobs: int = 1
+    all_pairs: bool = False
     progress: bool | None = None  # None: on when stdout is a terminal
 
     def __post_init__(self):
@@ -149,6 +157,8 @@ class AlignConfig:
             raise ValueError("give at least one backend")
         for b in self.backends:
             ab.parse_backend(b)
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.loss not in ab.LOSS_MODES:
@@ -249,6 +259,7 @@ def run(cfg: AlignConfig) -> dict:
     traces: dict[str, BackendTrace] = {}
     rows = []
     with _progress(cfg) as progress:
+        in_process, launched = [], []
         for spec in specs:
             world = 1 if spec.name == "reference" else (spec.world or default_world)
             row = {
@@ -268,7 +279,6 @@ def run(cfg: AlignConfig) -> dict:
             if reason:
                 row.update(status="skipped", reason=reason)
                 continue
-            task = progress.add_task(spec.label, total=cfg.steps)
             job = ab.Job(
                 backend=spec.label,
                 model_dir=str(ab.model_dir_for(spec, model_dir, out / "models")),
@@ -278,23 +288,37 @@ def run(cfg: AlignConfig) -> dict:
                 world_size=world,
             )
             Path(job.trace_path).parent.mkdir(parents=True, exist_ok=True)
+            (in_process if spec.name == "reference" else launched).append((row, job))
+
+        def run_one(row: dict, job: ab.Job) -> None:
+            task = progress.add_task(row["label"], total=cfg.steps)
             start = time.perf_counter()
             try:
-                trace = ab.run_backend(job, out / "logs", lambda k, t=task: progress.update(t, completed=k))
+                trace = ab.run_backend(job, out / "logs", lambda k: progress.update(task, completed=k))
             except Exception as e:  # reported, and the run fails; other backends still run
                 row.update(status="failed", reason=f"{type(e).__name__}: {e}")
-                continue
+                return
             finally:
                 row["wall_s"] = time.perf_counter() - start
-            traces[spec.label] = trace
+            traces[row["label"]] = trace
             row["loss"] = [s.loss for s in trace.steps]
             row["grad_norm"] = [s.grad_norm for s in trace.steps]
+
+        # the in-process reference first: it frees the accelerator memory before workers start
+        for row, job in in_process:
+            run_one(row, job)
+        with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+            for f in [pool.submit(run_one, row, job) for row, job in launched]:
+                f.result()
 
     ok_labels = [s.label for s in specs if s.label in traces]
     golden = ok_labels[0] if ok_labels else None
     pairs = []
-    for label in ok_labels[1:]:
-        a, b = traces[golden], traces[label]
+    compared = [(golden, label) for label in ok_labels[1:]]
+    if cfg.all_pairs:
+        compared += list(itertools.combinations(ok_labels[1:], 2))
+    for label_a, label_b in compared:
+        a, b = traces[label_a], traces[label_b]
         cls = precision_class(a, b)
         pair = compare(a, b, tolerances_for(cls, cfg))
         pair["precision"] = cls
@@ -304,7 +328,8 @@ def run(cfg: AlignConfig) -> dict:
     plots = {}
     if pairs:
         plots["curves"] = str(plot_curves(pairs, out / "curves.png"))
-        plots["logp_hist"] = str(plot_logp_hist(traces, golden, [p["b"] for p in pairs], out / "logp_hist.png"))
+        vs_golden = [p["b"] for p in pairs if p["a"] == golden]
+        plots["logp_hist"] = str(plot_logp_hist(traces, golden, vs_golden, out / "logp_hist.png"))
     failed = any(r["status"] == "failed" for r in rows)
     ok = not failed and all(p["ok"] for p in pairs) and golden is not None
     report = {

@@ -443,7 +443,7 @@ def _launch(job: Job, log_dir: Path, progress: Callable[[int], None] | None) -> 
         for line in proc.stdout:
             log.write(line)
             if line.startswith(STEP_MARK) and progress:
-                progress(int(line[len(STEP_MARK) :].strip()))
+                progress(int(line[len(STEP_MARK) :].split()[0]))
         code = proc.wait()
     if code != 0:
         errors = [ln for ln in log_path.read_text().splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
@@ -458,12 +458,17 @@ STEP_MARK = "ALIGN_STEP "
 def _worker_main(job_path: str) -> None:
     job = Job.load(job_path)
     spec = parse_backend(job.backend)
+    start = time.perf_counter()
+
+    def mark(k: int) -> None:  # the parent's progress bar reads k; the log keeps the seconds since start
+        print(f"{STEP_MARK}{k} {time.perf_counter() - start:.1f}s", flush=True)
+
     if spec.name in ("fsdp2", "veomni"):
-        trace = run_engine_rank(job, lambda k: print(f"{STEP_MARK}{k}", flush=True))
+        trace = run_engine_rank(job, mark)
     elif spec.name == "megatron":
         from .align_megatron import run_megatron_rank
 
-        trace = run_megatron_rank(job, lambda k: print(f"{STEP_MARK}{k}", flush=True))
+        trace = run_megatron_rank(job, mark)
     else:
         raise ValueError(f"backend {spec.name} has no distributed worker")
     if trace is not None:  # rank 0

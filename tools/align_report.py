@@ -177,7 +177,7 @@ def plot_curves(pairs: list[dict], png: Path) -> Path:
             steps = [k for k, y in enumerate(ys) if y is not None]
             vals = [max(ys[k], 1e-18) for k in steps]
             if vals:
-                ax.plot(steps, vals, marker="o", ms=3, color=color, label=pair["b"])
+                ax.plot(steps, vals, marker="o", ms=3, color=color, label=f"{pair['a']} vs {pair['b']}")
             tol = pair["tolerances"].get(metric)
             if tol is not None:
                 ax.axhline(max(1 - tol if is_cos else tol, 1e-18), color=color, ls="--", lw=0.8)
@@ -192,7 +192,7 @@ def plot_curves(pairs: list[dict], png: Path) -> Path:
     axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
-    fig.suptitle("verl-moe align: each backend vs the golden (dashed: tolerance, x: first exceeded)")
+    fig.suptitle("verl-moe align: backend pairs (dashed: tolerance, x: first exceeded)")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -256,10 +256,19 @@ def _cell(value, metric: str | None = None, tol: float | None = None) -> str:
     return str(value)
 
 
+def _first_out(pair: dict) -> str:
+    """'step k (metrics)' of the pair's first step out of tolerance, '-' when it never leaves."""
+    k = pair["first_divergence_step"]
+    if k is None:
+        return "-"
+    hit = [m for m, s in pair["first_exceeded"].items() if s == k]
+    return f"step {k} ({', '.join(hit) if len(hit) <= 2 else f'{len(hit)} metrics'})"
+
+
 def table_rows(report: dict) -> tuple[list[str], list[dict]]:
     """The terminal table, transposed so it fits a terminal: one row per setting / metric, one column
     per backend; step-0 metrics against the golden, `(!)` where a value is outside its tolerance."""
-    by_b = {p["b"]: p for p in report["pairs"]}
+    by_b = {p["b"]: p for p in report["pairs"] if p["a"] == report["golden"]}
     columns = ["metric", *(be["label"] for be in report["backends"])]
     rows = [
         {"metric": "dtype/router/ranks"}
@@ -285,14 +294,25 @@ def table_rows(report: dict) -> tuple[list[str], list[dict]]:
         elif pair is None:
             verdict[be["label"]], status[be["label"]] = "", be["status"]
         else:
-            k = pair["first_divergence_step"]
-            hit = [m for m, s in pair["first_exceeded"].items() if s == k]
-            what = ", ".join(hit) if len(hit) <= 2 else f"{len(hit)} metrics"
-            verdict[be["label"]] = "-" if k is None else f"step {k} ({what})"
+            verdict[be["label"]] = _first_out(pair)
             status[be["label"]] = "ok" if pair["ok"] else "EXCEEDED"
     # one header line per backend option, so long labels wrap instead of being cut
     head = {c: c.replace(":", "\n:") for c in columns}
     return [head[c] for c in columns], [{head[k]: v for k, v in r.items()} for r in [*rows, verdict, status]]
+
+
+def other_pair_rows(pairs: list[dict]) -> tuple[list[str], list[dict]]:
+    """One row per pair of non-golden backends: the step-0 metrics, the first step out of tolerance."""
+    columns = ["pair", "precision", *(SHORT_NAMES[m] for m in METRICS), "first out of tol."]
+    rows = []
+    for pair in pairs:
+        row = {"pair": f"{pair['a']} vs {pair['b']}", "precision": pair["precision"]}
+        for metric in METRICS:
+            value = pair["curves"][-1 if metric == "param_drift" else 0][metric]
+            row[SHORT_NAMES[metric]] = _cell(value, metric, pair["tolerances"].get(metric))
+        row["first out of tol."] = _first_out(pair)
+        rows.append(row)
+    return columns, rows
 
 
 def print_report(report: dict) -> None:
@@ -305,9 +325,14 @@ def print_report(report: dict) -> None:
     )
     columns, rows = table_rows(report)
     render_table(title, columns, rows)
+    others = [p for p in report["pairs"] if p["a"] != report["golden"]]
+    if others:
+        render_table("pairs without the golden (step 0; param drift at step K)", *other_pair_rows(others))
     for be in report["backends"]:
         if be["status"] != "ok":
             print(f"{be['status']} {be['label']}: {be['reason']}")
+    if report["config"].get("jobs", 1) > 1:
+        print(f"workers ran {report['config']['jobs']} at a time: their wall times overlap")
     for name, path in report["plots"].items():
         print(f"plot {name}: {path}")
     print(f"report: {Path(report['config']['out']) / 'report.json'}")

@@ -55,6 +55,8 @@ def align(
     loss: str = typer.Option("grpo", help="grpo or gspo (verl's ppo_loss)"),
     seed: int = typer.Option(0, help="seed of the weights and of the batch stream"),
     batch_dump: str = typer.Option(None, help="verl batch dump to split into K mini-batches instead of the stream"),
+    all_pairs: bool = typer.Option(False, help="also compare every two non-golden backends (e.g. fsdp2 vs megatron)"),
+    jobs: int = typer.Option(1, help="backend workers run at a time (>1: they share the devices; wall times overlap)"),
 ):
     """Same weights, same RL batches through several backends: table, report.json, plots."""
     from .align import AlignConfig, print_report, run
@@ -78,6 +80,8 @@ def align(
             loss=loss,
             seed=seed,
             batch_dump=batch_dump,
+            jobs=jobs,
+            all_pairs=all_pairs,
         )
     )
     print_report(report)

@@ -116,7 +116,7 @@ PRESETS: dict[str, Preset] = {
             "mid-qwen3-moe",
             "qwen3_moe",
             _MID_Q3,
-            StreamSpec(num_prompts=8, group_size=4, prompt_len=(32, 256), response_len=(64, 512)),
+            StreamSpec(num_prompts=4, group_size=4, prompt_len=(32, 256), response_len=(64, 512)),
             needs_gpu=True,
             world_size=1,
         ),

@@ -171,6 +171,8 @@ def test_backend_names_parse_and_router_ablation_expands():
     ]
     with pytest.raises(ValueError, match="tolerance metric"):
         align.AlignConfig(tolerances=(("logp_mean", 1.0),))
+    with pytest.raises(ValueError, match="jobs"):
+        align.AlignConfig(jobs=0)
 
 
 def test_batch_dump_round_trip(tmp_path):
@@ -298,17 +300,23 @@ def test_bf16_router_in_the_fp64_reference_is_flagged(tmp_path):
 
 @pytest.mark.dist
 def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path):
-    """The attention-only preset (no GatedDeltaNet) through both engines, experts split over 2 ranks."""
+    """The attention-only preset (no GatedDeltaNet) through both engines, experts split over 2 ranks;
+    the two engine workers run at the same time (--jobs 2) and are also compared with each other."""
     cfg = align.AlignConfig(
         preset="tiny-qwen3-moe",
         backends=("reference", "fsdp2", "veomni:ep=2"),
         steps=2,
         out=str(tmp_path),
         progress=False,
+        jobs=2,
+        all_pairs=True,
     )
     report = align.run(cfg)
+    align.validate_report(report)
     assert [b["status"] for b in report["backends"]] == ["ok", "ok", "ok"]
+    pairs = [(p["a"], p["b"]) for p in report["pairs"]]
+    assert pairs == [("reference", "fsdp2"), ("reference", "veomni:ep=2"), ("fsdp2", "veomni:ep=2")]
     for pair in report["pairs"]:
-        assert pair["ok"], (pair["b"], pair["first_exceeded"])
-        assert pair["one_step"]["router_flip_rate"] == 0.0
+        assert pair["ok"], (pair["a"], pair["b"], pair["first_exceeded"])
+        assert pair["precision"] == "fp32" and pair["one_step"]["router_flip_rate"] == 0.0
     assert report["exit_code"] == 0
