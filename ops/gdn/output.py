@@ -4,7 +4,7 @@ Per chunk and value head, with h the state entering the chunk and P the causal i
     P = (Q K^T) * exp(G_i - G_j) for j <= i,      o = scale (exp(G) * (Q h) + P v_new)
 Backward: dv_local = scale P^T do (feeds the state backward); then, given the state gradient dh
 leaving the chunk and the total dv_new: dq, the output-stage part of dk, dW = -dv_new h^T and
-the log-decay partials (per token and for G_last), one K block per program.
+the log-decay gradients (per token and for G_last), one program per chunk and value head.
 """
 
 from __future__ import annotations
@@ -16,9 +16,30 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-OUTPUT_FWD_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 4}, {"BV": 64, "num_warps": 8}]
-OUTPUT_DV_CONFIGS = [{"BV": 64, "num_warps": 4}, {"BV": 64, "num_warps": 8}, {"BV": 128, "num_warps": 8}]
-OUTPUT_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}]
+# num_stages=1 candidates: at realistic sizes each program runs its tile loop once, so the default
+# 2 stages mostly double-buffer shared memory. Static sm_90 compile (Triton 3.9), 1 stage against 2:
+# output fwd 32-49 KB against 140 KB at BV=64 (2 CTAs/SM against 1), output dv 32 KB against 91 KB
+# (3 CTAs/SM against 2). Output bwd stays at 1 CTA/SM either way (8 warps at >128 registers; its
+# 4-warp builds spill) and its V loops do pipeline, so it gets one 1-stage candidate for the search.
+OUTPUT_FWD_CONFIGS = [
+    {"BV": 64, "num_warps": 4},
+    {"BV": 32, "num_warps": 4},
+    {"BV": 64, "num_warps": 8},
+    {"BV": 64, "num_warps": 4, "num_stages": 1},
+    {"BV": 128, "num_warps": 4, "num_stages": 1},
+]
+OUTPUT_DV_CONFIGS = [
+    {"BV": 64, "num_warps": 4},
+    {"BV": 64, "num_warps": 8},
+    {"BV": 128, "num_warps": 8},
+    {"BV": 64, "num_warps": 4, "num_stages": 1},
+    {"BV": 128, "num_warps": 4, "num_stages": 1},
+]
+OUTPUT_BWD_CONFIGS = [
+    {"BV": 64, "num_warps": 8},
+    {"BV": 32, "num_warps": 8},
+    {"BV": 64, "num_warps": 8, "num_stages": 1},
+]
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -141,7 +162,7 @@ def _gdn_output_bwd_dv_kernel(
         tl.store(dvl + p_tok[:, None] * V + o_v[None, :], b_dv.to(dvl.dtype.element_ty), mask=m_tv)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "n_tokens"])
+@triton.jit(do_not_specialize=["n_chunks"])
 def _gdn_output_bwd_kernel(
     q,
     rq,
@@ -161,7 +182,6 @@ def _gdn_output_bwd_kernel(
     cu_seqlens,
     chunk_table,
     n_chunks,
-    n_tokens,
     scale,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -170,90 +190,102 @@ def _gdn_output_bwd_kernel(
     BT: tl.constexpr,
     BKB: tl.constexpr,
     BV: tl.constexpr,
-    NK: tl.constexpr,
     L2NORM: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One program per (chunk, value head, K block) tile (1-D grid, looping). Writes, for its
-    BKB columns: dq and the output-stage dk [T, HV, K], dw [T, HV, K] (all in k's dtype), and the
-    log-decay partials dgam [NK, T, HV] (per token) and dgl [NK, NT, HV] (for G_last)."""
+    """One program per (chunk, value head) tile (1-D grid, looping), walking its BKB-column K blocks.
+    Writes dq and the output-stage dk [T, HV, K], dw [T, HV, K] (all in k's dtype), and the
+    log-decay gradients summed over K: dgam [T, HV] (per token) and dgl [NT, HV] (for G_last)."""
     i_p = tl.program_id(0)
-    NV = tl.cdiv(V, BV)
     o_t = tl.arange(0, BT)
-    for i_tile in range(i_p, n_chunks * HV * NK, tl.num_programs(0)):
-        i_c, i_hv, i_kb = i_tile // (HV * NK), (i_tile // NK) % HV, i_tile % NK
+    for i_tile in range(i_p, n_chunks * HV, tl.num_programs(0)):
+        i_c, i_hv = i_tile // HV, i_tile % HV
         t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
         m_t = o_t < n_left
-        o_k = i_kb * BKB + tl.arange(0, BKB)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_kt = m_k[:, None] & m_t[None, :]
         i_h = i_hv // (HV // H)
         # Scalar int64 bases plus small int32 tile offsets (int64 offset tiles cost registers).
         p_tv = (t0 * HV + i_hv) * V
         p_tk = (t0 * HV + i_hv) * K
         p_qk = (t0 * H + i_h) * K
-        o_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-        o_qk = o_t[:, None] * (H * K) + o_k[None, :]
-        o_qkt = o_t[None, :] * (H * K) + o_k[:, None]
+        p_hc = ((t0 * 0 + i_c) * HV + i_hv) * (K * V)
         b_rq = _gdn_rstd(rq, t0, o_t, m_t, i_h, H, L2NORM)
         b_rk = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
-        p_hc = ((t0 * 0 + i_c) * HV + i_hv) * (K * V)
+        # ds = do vn^T is shared by all K blocks: one pass over V forms it before the K loop, and the
+        # decayed dP stays one fp32 [BT, BT] tile. (Forming it inside the first K block instead, with
+        # that block peeled off the loop, spilled at 8 warps in a static sm_90 compile.)
         b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-        b_dq = tl.zeros([BT, BKB], dtype=tl.float32)
-        b_dk3t = tl.zeros([BKB, BT], dtype=tl.float32)
-        b_dw = tl.zeros([BT, BKB], dtype=tl.float32)
-        b_hdh = 0.0  # <dh, h> over this K block
-        for i_v in range(0, NV):
+        for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            m_kv = m_k[:, None] & m_v[None, :]
-            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-            o_kv = o_k[:, None] * V + o_v[None, :]
-            o_vk = o_k[None, :] * V + o_v[:, None]
             b_vnt = tl.load(
                 vn + p_tv + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
             )
-            b_ds += tl.dot(
-                tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_vnt.to(DT), input_precision=DOT_PREC
+            b_do = tl.load(
+                do + p_tv + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
             )
-            b_ht = tl.load(h + p_hc + o_vk, mask=m_v[:, None] & m_k[None, :], other=0.0)
-            b_dq += tl.dot(
-                tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_ht.to(DT), input_precision=DOT_PREC
-            )
-            b_dh = tl.load(dh + p_hc + o_kv, mask=m_kv, other=0.0)
-            b_hh = tl.load(h + p_hc + o_kv, mask=m_kv, other=0.0).to(tl.float32)
-            b_hdh += tl.sum(tl.sum(b_hh * b_dh.to(tl.float32), 1), 0)
-            b_dk3t += tl.dot(b_dh.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
-            b_dvn = tl.load(dvn + p_tv + o_tv, mask=m_tv, other=0.0)
-            b_dw += tl.dot(b_dvn.to(DT), b_ht.to(DT), input_precision=DOT_PREC)
-
-        tl.store(dw + p_tk + o_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+            b_ds += tl.dot(b_do.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
         b_g = tl.load(gc + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
         b_g_last = tl.load(gc + (t0 + tl.minimum(n_left, BT) - 1) * HV + i_hv)
         m_causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
         b_dp = b_ds * _gdn_decay(b_g, b_g, m_causal)
-        # Each gradient is stored and reduced into the log-decay terms as soon as it is complete,
-        # which keeps few [BT, BKB] fp32 tiles live at once.
-        # dP stays fp32 (TF32 on GPUs): dq, dk feed dg = q.dq - k.dk, which cancels.
-        b_k = tl.load(k + p_qk + o_qk, mask=m_tk, other=0.0)
-        b_dq = (
-            b_dq * tl.exp(b_g)[:, None] + tl.dot(b_dp * b_rk[None, :], b_k.to(tl.float32), input_precision=DOT_PREC)
-        ) * scale
-        tl.store(dq + p_tk + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        b_q = tl.load(q + p_qk + o_qk, mask=m_tk, other=0.0).to(tl.float32) * b_rq[:, None]
-        b_dgam = tl.sum(b_q * b_dq, 1)
-        b_qt = tl.load(q + p_qk + o_qkt, mask=m_kt, other=0.0)
-        b_dk3t = b_dk3t * tl.where(m_t, tl.exp(b_g_last - b_g), 0.0)[None, :]
-        b_dkt = tl.dot(b_qt.to(tl.float32), b_dp * b_rq[:, None], input_precision=DOT_PREC) * scale + b_dk3t
-        tl.store(dk + p_tk + o_t[None, :] * (HV * K) + o_k[:, None], b_dkt.to(dk.dtype.element_ty), mask=m_kt)
-        b_ktf = tl.load(k + p_qk + o_qkt, mask=m_kt, other=0.0).to(tl.float32) * b_rk[None, :]  # normalised, transposed
-        b_dgam -= tl.sum(b_ktf * b_dkt, 0)
-        tl.store(dgam + i_kb * n_tokens * HV + t0 * HV + i_hv + o_t * HV, b_dgam, mask=m_t)
-        b_dgl = tl.exp(b_g_last) * b_hdh + tl.sum(tl.sum(b_ktf * b_dk3t, 1), 0)
-        tl.store(dgl + (i_kb * n_chunks + i_c) * HV + i_hv, b_dgl)
+        b_dgam = tl.zeros([BT], dtype=tl.float32)
+        b_dgl = 0.0  # k.dk3 part of the G_last term
+        b_hdh = 0.0  # <dh, h>
+        for i_kb in range(0, tl.cdiv(K, BKB)):
+            o_k = i_kb * BKB + tl.arange(0, BKB)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_kt = m_k[:, None] & m_t[None, :]
+            o_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+            o_qk = o_t[:, None] * (H * K) + o_k[None, :]
+            o_qkt = o_t[None, :] * (H * K) + o_k[:, None]
+            b_dq = tl.zeros([BT, BKB], dtype=tl.float32)
+            b_dk3t = tl.zeros([BKB, BT], dtype=tl.float32)
+            b_dw = tl.zeros([BT, BKB], dtype=tl.float32)
+            for i_v in range(0, tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_v = o_v < V
+                m_tv = m_t[:, None] & m_v[None, :]
+                m_kv = m_k[:, None] & m_v[None, :]
+                o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+                o_kv = o_k[:, None] * V + o_v[None, :]
+                b_vnt = tl.load(
+                    vn + p_tv + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
+                )
+                # h is loaded once, plain: <h, dh> pairs it with dh elementwise, the dots take its transpose.
+                b_h = tl.load(h + p_hc + o_kv, mask=m_kv, other=0.0)
+                b_ht = tl.trans(b_h)
+                b_dq += tl.dot(
+                    tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_ht.to(DT), input_precision=DOT_PREC
+                )
+                b_dh = tl.load(dh + p_hc + o_kv, mask=m_kv, other=0.0)
+                b_hdh += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1), 0)
+                b_dk3t += tl.dot(b_dh.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
+                b_dvn = tl.load(dvn + p_tv + o_tv, mask=m_tv, other=0.0)
+                b_dw += tl.dot(b_dvn.to(DT), b_ht.to(DT), input_precision=DOT_PREC)
+
+            tl.store(dw + p_tk + o_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+            # Each gradient is stored and reduced into the log-decay terms as soon as it is complete,
+            # which keeps few [BT, BKB] fp32 tiles live at once.
+            # dP stays fp32 (TF32 on GPUs): dq, dk feed dg = q.dq - k.dk, which cancels.
+            b_k = tl.load(k + p_qk + o_qk, mask=m_tk, other=0.0)
+            b_dq = (
+                b_dq * tl.exp(b_g)[:, None] + tl.dot(b_dp * b_rk[None, :], b_k.to(tl.float32), input_precision=DOT_PREC)
+            ) * scale
+            tl.store(dq + p_tk + o_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+            b_q = tl.load(q + p_qk + o_qk, mask=m_tk, other=0.0).to(tl.float32) * b_rq[:, None]
+            b_dgam += tl.sum(b_q * b_dq, 1)
+            b_qt = tl.load(q + p_qk + o_qkt, mask=m_kt, other=0.0)
+            b_dk3t = b_dk3t * tl.where(m_t, tl.exp(b_g_last - b_g), 0.0)[None, :]
+            b_dkt = tl.dot(b_qt.to(tl.float32), b_dp * b_rq[:, None], input_precision=DOT_PREC) * scale + b_dk3t
+            tl.store(dk + p_tk + o_t[None, :] * (HV * K) + o_k[:, None], b_dkt.to(dk.dtype.element_ty), mask=m_kt)
+            # normalised, transposed
+            b_ktf = tl.load(k + p_qk + o_qkt, mask=m_kt, other=0.0).to(tl.float32) * b_rk[None, :]
+            b_dgam -= tl.sum(b_ktf * b_dkt, 0)
+            b_dgl += tl.sum(tl.sum(b_ktf * b_dk3t, 1), 0)
+        tl.store(dgam + t0 * HV + i_hv + o_t * HV, b_dgam, mask=m_t)
+        tl.store(dgl + i_c * HV + i_hv, tl.exp(b_g_last) * b_hdh + b_dgl)
 
 
 def _output_meta(shape: dict) -> dict:
@@ -261,16 +293,16 @@ def _output_meta(shape: dict) -> dict:
 
 
 def _output_bwd_meta(shape: dict) -> dict:
-    bkb = min(64, next_pow2(shape["K"]))
-    return {"BT": BT, "BKB": bkb, "NK": cdiv(shape["K"], bkb)}
+    # BKB: the K column block (one program walks all of them and sums their log-decay terms)
+    return {"BT": BT, "BKB": min(64, next_pow2(shape["K"]))}
 
 
 def _v_grid(meta: dict) -> tuple[int]:
     return grid_1d(meta["n_chunks"] * meta["HV"] * cdiv(meta["V"], meta["BV"]))
 
 
-def _k_grid(meta: dict) -> tuple[int]:
-    return grid_1d(meta["n_chunks"] * meta["HV"] * meta["NK"])
+def _c_grid(meta: dict) -> tuple[int]:
+    return grid_1d(meta["n_chunks"] * meta["HV"])
 
 
 def _max_chunks(shape: dict) -> dict:
@@ -295,9 +327,10 @@ KERNEL_LAUNCHES = {
     "_gdn_output_bwd_kernel": {
         "configs": OUTPUT_BWD_CONFIGS,
         "meta": _output_bwd_meta,
-        "grid": _k_grid,
+        "grid": _c_grid,
         "runtime": _max_chunks,
         "max_shapes": MAX_SHAPES,
+        "trans": {"b_h": ("BKB", "BV")},
     },
 }
 
@@ -356,7 +389,7 @@ def gdn_output_bwd_dv(q, rq, k, rk, gc, do, scale: float, plan: ChunkPlan) -> to
 def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan):
     """q/k [B, T, H, K], gc [B, T, HV], h/dh [NT, HV, K, V], vn (fp32)/dvn/do [B, T, HV, V]
     -> dq, dk (output part) [B, T, HV, K] and dw [B, T, HV, K], all in k's dtype,
-    dgam [NK, B, T, HV] fp32, dgl [NK, NT, HV] fp32."""
+    dgam [B, T, HV] fp32, dgl [NT, HV] fp32 (the log-decay terms, summed over K)."""
     B, T, H, K = q.shape
     HV, V = vn.shape[2], vn.shape[3]
     meta = _output_bwd_meta({"K": K})
@@ -366,14 +399,14 @@ def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: Chu
     dq = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     dk = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     dw = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
-    dgam = torch.empty(meta["NK"], B, T, HV, **f32)
-    dgl = torch.empty(meta["NK"], plan.NT, HV, **f32)
+    dgam = torch.empty(B, T, HV, **f32)
+    dgl = torch.empty(plan.NT, HV, **f32)
     if plan.NT > 0:
         launch(
             _gdn_output_bwd_kernel,
             OUTPUT_BWD_CONFIGS,
             ["H", "HV", "K", "V"],
-            _k_grid,
+            _c_grid,
             q=q,
             rq=rq,
             k=k,
@@ -389,9 +422,9 @@ def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: Chu
             dw=dw,
             dgam=dgam,
             dgl=dgl,
-            n_tokens=B * T,
             scale=scale,
             **plan.tile_args(H, HV, K, V, q.dtype, l2norm=rk is not None),
-            **meta,
+            BT=meta["BT"],
+            BKB=meta["BKB"],
         )
     return dq, dk, dw, dgam, dgl

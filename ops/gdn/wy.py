@@ -15,10 +15,11 @@ import triton.language as tl
 
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
-from .output import _output_bwd_meta
 
 W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}]
-WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}]
+# WY bwd: BV=64 at 8 warps does not spill (sm_90, Triton 3.9); the others do (4 warps: ~290 B) and are
+# left to the autotuner, as register allocation differs between Triton versions.
+WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV": 64, "num_warps": 4}]
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -64,7 +65,7 @@ def _gdn_wy_fwd_kernel(
         tl.store(w + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "n_tokens"])
+@triton.jit(do_not_specialize=["n_chunks"])
 def _gdn_wy_bwd_kernel(
     k,
     rk,
@@ -87,7 +88,6 @@ def _gdn_wy_bwd_kernel(
     cu_seqlens,
     chunk_table,
     n_chunks,
-    n_tokens,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -95,7 +95,6 @@ def _gdn_wy_bwd_kernel(
     BT: tl.constexpr,
     BKC: tl.constexpr,
     BV: tl.constexpr,
-    NK: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     L2NORM: tl.constexpr,
     DT: tl.constexpr,
@@ -103,8 +102,10 @@ def _gdn_wy_bwd_kernel(
 ):
     """One program per (chunk, value head) tile (1-D grid, looping). From dW [T, HV, K] and
     dU = dv_new [T, HV, V]: dk (the WY part, added in place to the output stage's dk per value head), dv, dbeta, and the log-decay
-    gradient: dgam [NK, T, HV] and dgl [NK, NT, HV] (partials from the output stage) plus this
-    stage's terms, reverse-cumsummed in the chunk -> dg (or da and dA_log per token)."""
+    gradient: dgam [T, HV] and dgl [NT, HV] (the output stage's terms) plus this
+    stage's terms, reverse-cumsummed in the chunk -> dg (or da and dA_log per token).
+    Ai is read once per tile, and few fp32 [BT, BT] tiles are live at a time (K K^T is never held
+    whole: each K block's part is reduced against dA as it is formed) to keep spills off."""
     i_p = tl.program_id(0)
     o_t = tl.arange(0, BT)
     m_lo = o_t[:, None] > o_t[None, :]
@@ -118,98 +119,97 @@ def _gdn_wy_bwd_kernel(
         b_beta = tl.load(beta + p_t1 + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
         b_g = tl.load(gc + p_t1 + o_t * HV, mask=m_t, other=0.0)
         b_eg = tl.where(m_t, tl.exp(b_g), 0.0)
-        p_Ai = Ai + p_t1 * BT
         i_h = i_hv // (HV // H)
         p_k = k + (t0 * H + i_h) * K
         b_r = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
         b_s = b_beta * b_eg * b_r  # W's row scale on the raw keys
+        # Ai^T once, in DT (exact: Ai is stored in the input dtype), for every product. As a left
+        # tl.dot operand it is passed as a copy (`+ 0.0`): Ascend's tl.dot may overwrite its left operand.
+        b_ait = _gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, True, HV * BT).to(DT)
 
         # dU -> dv, dbeta; dT = dU (beta V)^T accumulated over V blocks.
         b_dT = tl.zeros([BT, BT], dtype=tl.float32)
         b_dbeta = tl.zeros([BT], dtype=tl.float32)
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
             o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-            b_dvn = tl.load(dvn + p_t1 * V + o_tv, mask=m_tv, other=0.0)
-            b_dvb = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(DT), b_dvn.to(DT), input_precision=DOT_PREC)
+            b_dvn = tl.load(dvn + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(DT)
+            b_dvb = tl.dot(b_ait + 0.0, b_dvn, input_precision=DOT_PREC)
             tl.store(dv + p_t1 * V + o_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-            b_v = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32)
-            b_dbeta += tl.sum(b_v * b_dvb, 1)
-            b_vt = tl.load(
-                v + p_t1 * V + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
-            )
-            b_dT += tl.dot(b_dvn.to(DT), (b_vt * b_beta[None, :]).to(DT), input_precision=DOT_PREC)
+            b_v = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0)
+            b_dbeta += tl.sum(b_v.to(tl.float32) * b_dvb, 1)
+            # (beta V)^T by a register transpose (declared in KERNEL_LAUNCHES), not a second strided load.
+            b_vb = (b_v * b_beta[:, None]).to(DT)
+            b_dT = tl.dot(b_dvn, tl.trans(b_vb), b_dT, input_precision=DOT_PREC)
 
-        # M = dW K^T and K K^T (raw keys), over BKC-wide column blocks of K.
-        b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-        b_m = tl.zeros([BT, BT], dtype=tl.float32)
+        # dT += dW (beta exp(G) K)^T per K block: no dW K^T [BT, BT] tile outlives its block.
         for i_k in range(0, tl.cdiv(K, BKC)):
             o_k = i_k * BKC + tl.arange(0, BKC)
             m_k = o_k < K
             b_kt = tl.load(p_k + o_t[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_kk += tl.dot(
-                tl.load(p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(
-                    DT
-                ),
-                b_kt.to(DT),
-                input_precision=DOT_PREC,
+            b_dT += (
+                tl.dot(
+                    tl.load(
+                        dw + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :],
+                        mask=m_t[:, None] & m_k[None, :],
+                        other=0.0,
+                    ).to(DT),
+                    b_kt.to(DT),
+                    input_precision=DOT_PREC,
+                )
+                * b_s[None, :]
             )
-            b_m += tl.dot(
-                tl.load(
-                    dw + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-                ).to(DT),
-                b_kt.to(DT),
-                input_precision=DOT_PREC,
-            )
-        b_kk = b_kk * b_r[:, None] * b_r[None, :]
-        b_dT += b_m * b_s[None, :]  # dW (beta exp(G) K)^T
-        # k_i . (Ai^T dW)_i = sum_j Ai_ji M_ji: the W part of dbeta and of the log-decay, from M
-        # rather than from a [BT, K] product.
-        b_kdkb = tl.sum(_gdn_load_ai(p_Ai, o_t, m_t, False, HV * BT).to(tl.float32) * b_m, 0) * b_r
-        b_dbeta += b_eg * b_kdkb
 
         # dA = -(Ai^T dT Ai^T), strictly lower, valid rows only.
-        b_x = tl.dot(_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32), b_dT, input_precision=DOT_PREC)
-        b_dA = -tl.dot(b_x, _gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32), input_precision=DOT_PREC)
-        b_decay = _gdn_decay(b_g, b_g, m_lo & m_t[:, None] & m_t[None, :])
-        b_dA = b_dA * b_decay  # dA_ij exp(G_i - G_j); zero off the strictly-lower valid part
-        b_z = b_dA * b_kk
-        b_dbeta += tl.sum(b_z, 1)
-        b_z = b_z * b_beta[:, None]  # dA * A
-        b_dgam = tl.sum(b_z, 1) - tl.sum(b_z, 0) + b_beta * b_eg * b_kdkb
+        b_x = tl.dot(b_ait.to(tl.float32) + 0.0, b_dT, input_precision=DOT_PREC)
+        b_dA = -tl.dot(b_x, b_ait.to(tl.float32), input_precision=DOT_PREC)
+        b_dA = b_dA * _gdn_decay(b_g, b_g, m_lo & m_t[:, None] & m_t[None, :])  # dA_ij exp(G_i - G_j)
         b_y = b_dA * b_beta[:, None]
         # Y + Y^T through one [BT, BT] fp32 transpose (16 KiB, declared in KERNEL_LAUNCHES): a second
         # dA^T = -(Ai dT^T Ai) chain would double this kernel's tl.dot work.
         b_y = b_y + tl.trans(b_y)
 
-        # dk = diag(beta exp(G)) Ai^T dW + (Y + Y^T) K, one BKC-wide column block at a time.
+        # Z = dA * (l2-normalised) K K^T, one K block at a time: only its row sums and beta-weighted
+        # column sums are needed, so no K K^T tile is kept and dA is dead before the dk pass.
+        b_dA = b_dA * b_r[:, None] * b_r[None, :]
+        b_zr = tl.zeros([BT], dtype=tl.float32)
+        b_zc = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BKC)):
+            o_k = i_k * BKC + tl.arange(0, BKC)
+            b_kr = tl.load(
+                p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0
+            )
+            b_z = b_dA * tl.dot(b_kr.to(DT), tl.trans(b_kr).to(DT), input_precision=DOT_PREC)
+            b_zr += tl.sum(b_z, 1)
+            b_zc += tl.sum(b_z * b_beta[:, None], 0)
+
+        # dk = diag(beta exp(G)) P + (Y + Y^T) K with P = Ai^T dW, one BKC-wide column block at a time;
+        # k_i . P_i is the W part of dbeta and of the log-decay.
+        b_kdkb = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BKC)):
             o_k = i_k * BKC + tl.arange(0, BKC)
             m_tk = m_t[:, None] & (o_k < K)[None, :]
-            b_dk = tl.dot(
-                b_y * b_r[None, :],
-                tl.load(p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32),
-                input_precision=DOT_PREC,
-            )
-            b_dk = tl.dot(
-                (_gdn_load_ai(p_Ai, o_t, m_t, True, HV * BT).to(tl.float32) * (b_beta * b_eg)[:, None]).to(DT),
+            b_kr = tl.load(p_k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_p = tl.dot(
+                b_ait + 0.0,
                 tl.load(dw + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT),
-                b_dk,
                 input_precision=DOT_PREC,
             )
+            b_kdkb += tl.sum(b_p * b_kr, 1)
+            b_dk = tl.dot(b_y * b_r[None, :], b_kr, b_p * (b_beta * b_eg)[:, None], input_precision=DOT_PREC)
             # dk holds the output stage's part of this (token, value head) row: add it in place.
             p_dk = dk + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :]
             b_dk += tl.load(p_dk, mask=m_tk, other=0.0).to(tl.float32)
             tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        b_kdkb = b_kdkb * b_r
+        b_dbeta += b_zr + b_eg * b_kdkb
+        b_dgam = b_beta * b_zr - b_zc + b_beta * b_eg * b_kdkb  # row sums minus column sums of dA * A
         tl.store(dbeta + p_t1 + o_t * HV, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
 
         # Log-decay: the output stage's partials, then dg_i = sum_{j >= i} dG_j + dG_last.
-        b_dgl = 0.0
-        for i_k in range(0, NK):
-            b_dgam += tl.load(dgam + i_k * n_tokens * HV + p_tok, mask=m_t, other=0.0)
-            b_dgl += tl.load(dgl + (i_k * n_chunks + i_c) * HV + i_hv)
+        b_dgam += tl.load(dgam + p_tok, mask=m_t, other=0.0)
+        b_dgl = tl.load(dgl + i_c * HV + i_hv)
         b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgam[None, :], 0.0), 1) + b_dgl
         if GATE_IN_KERNEL:
             b_x = tl.load(a + p_tok, mask=m_t, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
@@ -230,9 +230,8 @@ def _wy_meta(shape: dict) -> dict:
 
 
 def _wy_bwd_meta(shape: dict) -> dict:
-    # BKC: the K column block of the backward (two [BT, 64] tiles live rather than [BT, 128] ones);
-    # NK: the number of K blocks whose log-decay partials the output backward wrote.
-    return {"BT": BT, "BKC": min(64, next_pow2(shape["K"])), "NK": _output_bwd_meta(shape)["NK"]}
+    # BKC: the K column block of the backward (two [BT, 64] tiles live rather than [BT, 128] ones)
+    return {"BT": BT, "BKC": min(64, next_pow2(shape["K"]))}
 
 
 def _wy_grid(meta: dict) -> tuple[int]:
@@ -252,7 +251,7 @@ KERNEL_LAUNCHES = {
         "max_shapes": MAX_SHAPES,
     },
     "_gdn_wy_bwd_kernel": {
-        "trans": {"b_y": ("BT", "BT")},
+        "trans": {"b_vb": ("BT", "BV"), "b_y": ("BT", "BT"), "b_kr": ("BT", "BKC")},
         "configs": WY_BWD_CONFIGS,
         "meta": _wy_bwd_meta,
         "grid": _wy_grid,
@@ -288,7 +287,7 @@ def gdn_wy_fwd(k: torch.Tensor, rk, beta: torch.Tensor, gc: torch.Tensor, Ai: to
 def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dk, dgam, dgl, gate, g_dtype, plan: ChunkPlan):
     """Backward of the WY stage and of the gate.
     k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT], dw [B, T, HV, K],
-    dvn [B, T, HV, V], dgam [NK, B, T, HV] fp32, dgl [NK, NT, HV] fp32, gate (a, A_log, dt_bias) or None
+    dvn [B, T, HV, V], dgam [B, T, HV] fp32, dgl [NT, HV] fp32, gate (a, A_log, dt_bias) or None
     dk [B, T, HV, K] (k dtype; the output stage's part, to which the WY part is added in place)
     -> dk, dv (v dtype), dbeta (beta dtype),
     dg [B, T, HV] (g_dtype; da for the in-kernel gate), dA_log_tok [B, T, HV] fp32 or None."""
@@ -325,7 +324,6 @@ def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dk, dgam, dgl, gate, g_dtype, pl
             dbeta=dbeta,
             dg=dg,
             dA_log_tok=dA_log_tok,
-            n_tokens=B * T,
             GATE_IN_KERNEL=gate is not None,
             **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
             **meta,
