@@ -18,15 +18,20 @@ from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
 # num_stages=1 candidates: at realistic sizes each program runs its tile loop once, so the default
 # 2 stages mostly double-buffer shared memory. Static sm_90 compile (Triton 3.9), 1 stage against 2:
-# output fwd 32-49 KB against 140 KB at BV=64 (2 CTAs/SM against 1), output dv 32 KB against 91 KB
-# (3 CTAs/SM against 2). Output bwd stays at 1 CTA/SM either way (8 warps at >128 registers; its
-# 4-warp builds spill) and its V loops do pipeline, so it gets one 1-stage candidate for the search.
+# output dv 32 KB against 91 KB (3 CTAs/SM against 2). Output bwd stays at 1 CTA/SM either way
+# (8 warps at >128 registers; its 4-warp builds spill) and its V loops do pipeline, so it gets one
+# 1-stage candidate for the search.
+# Output fwd: one program per (chunk, q/k head) loops over the HV // H value heads and the V blocks, so
+# 2 stages do pipeline its h / v_new loads. Static sm_90 compile at Qwen3.5 shapes (bf16, tf32), none
+# spills: BV=64 4 warps 233 registers 72 KB (2 CTAs/SM), 1 stage 250 / 16 KB (2); BV=32 234 / 36 KB
+# (2); 8 warps BV=128 1 stage 242 / 36 KB and BV=64 234 / 72 KB (1 CTA/SM each). BV=128 at 4 warps
+# spills (255 registers + 16-72 B of stack), so it is left out.
 OUTPUT_FWD_CONFIGS = [
     {"BV": 64, "num_warps": 4},
-    {"BV": 32, "num_warps": 4},
-    {"BV": 64, "num_warps": 8},
     {"BV": 64, "num_warps": 4, "num_stages": 1},
-    {"BV": 128, "num_warps": 4, "num_stages": 1},
+    {"BV": 32, "num_warps": 4},
+    {"BV": 128, "num_warps": 8, "num_stages": 1},
+    {"BV": 64, "num_warps": 8},
 ]
 OUTPUT_DV_CONFIGS = [
     {"BV": 64, "num_warps": 4},
@@ -67,45 +72,47 @@ def _gdn_output_fwd_kernel(
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One program per (chunk, value head, V block) tile (1-D grid, looping): o [T, HV, V]."""
+    """One program per (chunk, q/k head) tile (1-D grid, looping): o [T, HV, V]. Q K^T is computed
+    once and shared by the HV // H value heads of the group (GVA) and all their V blocks."""
     i_p = tl.program_id(0)
-    NV = tl.cdiv(V, BV)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    G: tl.constexpr = HV // H
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    for i_tile in range(i_p, n_chunks * HV * NV, tl.num_programs(0)):
-        i_c, i_hv, i_v = i_tile // (HV * NV), (i_tile // NV) % HV, i_tile % NV
+    for i_tile in range(i_p, n_chunks * H, tl.num_programs(0)):
+        i_c, i_h = i_tile // H, i_tile % H
         t0, n_left = _gdn_chunk_coords(i_c, cu_seqlens, chunk_table, BT)
         m_t = o_t < n_left
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tok = (t0 + o_t) * HV + i_hv
-        i_h = i_hv // (HV // H)
         p_qk = (t0 + o_t) * (H * K) + i_h * K
         b_rq = _gdn_rstd(rq, t0, o_t, m_t, i_h, H, L2NORM)
         b_rk = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
         m_tk = m_t[:, None] & m_k[None, :]
-        p_h = h + ((t0 * 0 + i_c) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(p_h, mask=m_k[:, None] & (o_v < V)[None, :], other=0.0)
-        b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
-        b_o = tl.dot(
-            tl.load(q + p_qk[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(DT), b_h.to(DT), input_precision=DOT_PREC
-        )
-        b_o = b_o * (tl.exp(b_g) * b_rq)[:, None]
-        # q reloaded for the second dot: Ascend's tl.dot may overwrite its left operand.
+        b_q = tl.load(q + p_qk[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(DT)
         b_kt = tl.load(k + p_qk[None, :] + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        b_s = tl.dot(
-            tl.load(q + p_qk[:, None] + o_k[None, :], mask=m_tk, other=0.0).to(DT),
-            b_kt.to(DT),
-            input_precision=DOT_PREC,
-        )
+        # b_q is passed as a copy (`+ 0.0`): Ascend's tl.dot may overwrite its left operand, and b_q
+        # is the left operand again for every value head and V block below.
+        b_s = tl.dot(b_q + 0.0, b_kt.to(DT), input_precision=DOT_PREC)
+        b_s = b_s * b_rq[:, None] * b_rk[None, :]
         m_causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_s = b_s * _gdn_decay(b_g, b_g, m_causal) * b_rq[:, None] * b_rk[None, :]
-        b_vn = tl.load(vn + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        # Scores stay fp32 (TF32 on GPUs for 16-bit inputs): rounding them to bf16 measured
-        # rel. RMS 3.7e-3 on o at Qwen3.5 shapes against a 3e-3 budget.
-        b_o += tl.dot(b_s, b_vn.to(tl.float32), input_precision=DOT_PREC)
-        tl.store(o + p_tok[:, None] * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+        for i_g in range(G):
+            i_hv = i_h * G + i_g
+            p_tok = (t0 + o_t) * HV + i_hv
+            b_g = tl.load(gc + p_tok, mask=m_t, other=0.0)
+            b_gq = tl.exp(b_g) * b_rq
+            # Scores stay fp32 (TF32 on GPUs for 16-bit inputs): rounding them to bf16 measured
+            # rel. RMS 3.7e-3 on o at Qwen3.5 shapes against a 3e-3 budget.
+            b_p = b_s * _gdn_decay(b_g, b_g, m_causal)
+            for i_v in range(NV):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                p_h = h + ((t0 * 0 + i_c) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+                b_h = tl.load(p_h, mask=m_k[:, None] & (o_v < V)[None, :], other=0.0)
+                b_o = tl.dot(b_q + 0.0, b_h.to(DT), input_precision=DOT_PREC)
+                b_o = b_o * b_gq[:, None]
+                b_vn = tl.load(vn + p_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+                b_o += tl.dot(b_p + 0.0, b_vn.to(tl.float32), input_precision=DOT_PREC)
+                tl.store(o + p_tok[:, None] * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -301,6 +308,10 @@ def _v_grid(meta: dict) -> tuple[int]:
     return grid_1d(meta["n_chunks"] * meta["HV"] * cdiv(meta["V"], meta["BV"]))
 
 
+def _qk_grid(meta: dict) -> tuple[int]:
+    return grid_1d(meta["n_chunks"] * meta["H"])
+
+
 def _c_grid(meta: dict) -> tuple[int]:
     return grid_1d(meta["n_chunks"] * meta["HV"])
 
@@ -313,7 +324,7 @@ KERNEL_LAUNCHES = {
     "_gdn_output_fwd_kernel": {
         "configs": OUTPUT_FWD_CONFIGS,
         "meta": _output_meta,
-        "grid": _v_grid,
+        "grid": _qk_grid,
         "runtime": _max_chunks,
         "max_shapes": MAX_SHAPES,
     },
@@ -345,7 +356,7 @@ def gdn_output_fwd(q, rq, k, rk, gc, h, vn, scale: float, plan: ChunkPlan) -> to
             _gdn_output_fwd_kernel,
             OUTPUT_FWD_CONFIGS,
             ["H", "HV", "K", "V"],
-            _v_grid,
+            _qk_grid,
             q=q,
             rq=rq,
             k=k,
