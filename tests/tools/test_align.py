@@ -299,7 +299,7 @@ def test_bf16_router_in_the_fp64_reference_is_flagged(tmp_path):
 
 
 @pytest.mark.dist
-def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path):
+def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path, capsys):
     """The attention-only preset (no GatedDeltaNet) through both engines, experts split over 2 ranks;
     the two engine workers run at the same time (--jobs 2) and are also compared with each other."""
     cfg = align.AlignConfig(
@@ -320,3 +320,6 @@ def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path):
         assert pair["ok"], (pair["a"], pair["b"], pair["first_exceeded"])
         assert pair["precision"] == "fp32" and pair["one_step"]["router_flip_rate"] == 0.0
     assert report["exit_code"] == 0
+    align.print_report(report)
+    printed = capsys.readouterr().out
+    assert "fsdp2 vs veomni:ep=2" in printed and "workers ran 2 at a time" in printed
