@@ -489,6 +489,17 @@ def _gather_cat(tensors: list[torch.Tensor] | torch.Tensor, world: int):
     return [torch.cat([p[i] for p in parts]) for i in range(len(tensors))]
 
 
+def gather_step_outputs(loss: float, log_probs, entropy, topk, world: int, dev) -> tuple:
+    """The collectives every rank runs after a step: the loss as verl's TrainingWorker reports it
+    (summed here, mean over ranks; reduced on `dev`, since NCCL reduces no CPU tensor) and the
+    response log-probs, entropy and per-layer top-k of all ranks in rank order."""
+    import torch.distributed as dist
+
+    total = torch.tensor([loss], dtype=torch.float64, device=dev)
+    dist.all_reduce(total)
+    return total.item() / world, _gather_cat(log_probs, world), _gather_cat(entropy, world), _gather_cat(topk, world)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -587,18 +598,21 @@ def run_engine_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace |
             lr = engine.optimizer.param_groups[0]["lr"]
             grad_norm = engine.optimizer_step()
             engine.lr_scheduler_step()
-        local_loss = torch.tensor([sum(out["loss"])], dtype=torch.float64, device=device.current_device())
-        dist.all_reduce(local_loss)  # verl's TrainingWorker: sum over micro-batches, mean over ranks
-        log_probs = _gather_cat(response_values(out["model_output"]["log_probs"], td), world)
-        entropy = _gather_cat(response_values(out["model_output"]["entropy"], td), world)
-        topk = _gather_cat(recorder.take(), world)
+        loss, log_probs, entropy, topk = gather_step_outputs(
+            sum(out["loss"]),  # over micro-batches
+            response_values(out["model_output"]["log_probs"], td),
+            response_values(out["model_output"]["entropy"], td),
+            recorder.take(),
+            world,
+            device.current_device(),
+        )
         after = probe_full(params)
         if rank == 0:
             trace.steps.append(
                 StepTrace(
                     log_probs=log_probs,
                     entropy=entropy,
-                    loss=local_loss.item() / world,
+                    loss=loss,
                     grad_norm=grad_norm,
                     grads=grads,
                     params=after,

@@ -59,9 +59,9 @@ import torch.nn.functional as F
 from .align_backends import (
     BackendSpec,
     Job,
-    _gather_cat,
     _settings,
     actor_config,
+    gather_step_outputs,
     parse_backend,
     rank_batch,
     response_values,
@@ -163,6 +163,30 @@ def _layer_names(i: int) -> tuple[str, str]:
     return f"model.layers.{i}.", f"decoder.layers.{i}."
 
 
+def _renamed(arch) -> list[tuple[str, str]]:
+    """(our name, megatron name) of every parameter that converts by its name alone; both directions
+    of the conversion read this one list."""
+    pairs = [
+        ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        ("model.norm.weight", "decoder.final_layernorm.weight"),
+        ("lm_head.weight", "output_layer.weight"),
+    ]
+    for i in range(len(arch.layer_types)):
+        h, m = _layer_names(i)
+        pairs += [
+            (h + "input_layernorm.weight", m + "input_layernorm.weight"),
+            (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+            (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+            (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
+            (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
+        ]
+        if arch.mlp_types[i] == "moe":
+            pairs.append((h + "mlp.gate.weight", m + "mlp.router.weight"))
+        else:
+            pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
+    return pairs
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
     """Our spec's (transformers') parameters -> megatron `GPTModel` (local spec) state dict.
 
@@ -170,24 +194,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
     `mlp.experts.down_proj` [E, D, I]); megatron's `linear_fc1` of expert e is gate_up_proj[e]
     (megatron's SwiGLU takes the first half of fc1's output as the gate)."""
     check_supported(arch)
-    out = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-        "output_layer.weight": hf["lm_head.weight"],
-    }
+    out = {theirs: hf[ours] for ours, theirs in _renamed(arch)}
     for i in range(len(arch.layer_types)):
         h, m = _layer_names(i)
         attn = h + "self_attn."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], arch.num_key_value_heads
         )
-        out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
-        out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         if arch.mlp_types[i] == "moe":
-            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
             gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
             for e in range(arch.num_experts):
                 expert = f"{m}mlp.experts.local_experts.{e}."
@@ -195,7 +209,6 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
                 out[expert + "linear_fc2.weight"] = down[e]
         else:
             out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
-            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     return out
 
 
@@ -203,16 +216,10 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
     """Inverse of `hf_to_megatron` (for parameters, gradients or master weights): megatron names
     -> our spec's names, experts stacked back into [E, 2I, D] / [E, D, I]."""
     check_supported(arch)
-    out = {
-        "model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
-        "model.norm.weight": mc["decoder.final_layernorm.weight"],
-        "lm_head.weight": mc["output_layer.weight"],
-    }
+    out = {ours: mc[theirs] for ours, theirs in _renamed(arch)}
     for i in range(len(arch.layer_types)):
         h, m = _layer_names(i)
         attn = h + "self_attn."
-        out[h + "input_layernorm.weight"] = mc[m + "input_layernorm.weight"]
-        out[h + "post_attention_layernorm.weight"] = mc[m + "pre_mlp_layernorm.weight"]
         q, k, v = split_qkv(
             mc[m + "self_attention.linear_qkv.weight"],
             arch.num_attention_heads,
@@ -220,18 +227,13 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
             arch.head_dim,
         )
         out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-        out[attn + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        out[attn + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
-        out[attn + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
         if arch.mlp_types[i] == "moe":
-            out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
             experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(arch.num_experts)]
             out[h + "mlp.experts.gate_up_proj"] = torch.stack([mc[x + "linear_fc1.weight"] for x in experts])
             out[h + "mlp.experts.down_proj"] = torch.stack([mc[x + "linear_fc2.weight"] for x in experts])
         else:
             gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-            out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
     return out
 
 
@@ -552,18 +554,20 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
         if not updated:
             raise RuntimeError(f"step {k}: megatron's optimizer skipped the update (non-finite gradients)")
         scheduler.step(increment=1)
-        # on the device: NCCL reduces no CPU tensor. The mean over ranks, as verl's TrainingWorker reports it
-        loss = torch.tensor([out["loss"].item()], dtype=torch.float64, device=dev)
-        dist.all_reduce(loss)
-        log_probs = _gather_cat(response_values(out["log_probs"], td), world)
-        entropy = _gather_cat(response_values(out["entropy"], td), world)
-        topk = _gather_cat(out["topk"], world)
+        loss, log_probs, entropy, topk = gather_step_outputs(
+            out["loss"].item(),
+            response_values(out["log_probs"], td),
+            response_values(out["entropy"], td),
+            out["topk"],
+            world,
+            dev,
+        )
         if rank == 0:
             trace.steps.append(
                 StepTrace(
                     log_probs=log_probs,
                     entropy=entropy,
-                    loss=loss.item() / world,
+                    loss=loss,
                     grad_norm=float(grad_norm),
                     grads=grads,
                     params=probe.take(masters()),
