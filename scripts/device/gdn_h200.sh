@@ -1,6 +1,7 @@
-# One device call (~9 min): issue 3's H200 runs. The GPU test subset, then `verl-moe bench gdn` one
-# case per command (the tool prints at the end; fla's first call autotunes for ~3 min, so the first
-# case gets the longest limit). run(command="bash scripts/device/gdn_h200.sh", carry=[".whl"])
+# One device call (~8 min): issue 3's H200 runs. `verl-moe bench gdn` one case per command (a case cut
+# by its limit loses only itself; fla's first call autotunes for ~3 min, so the first case gets the
+# longest limit). The GPU test subset below is off (it passed in the second session; ~150 s).
+# run(command="bash scripts/device/gdn_h200.sh", carry=[".whl"])
 set -o pipefail
 source scripts/device/env.sh
 export TRITON_CACHE_DIR=/tmp/tc
