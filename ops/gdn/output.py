@@ -20,7 +20,10 @@ from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 # 2 stages mostly double-buffer shared memory. Static sm_90 compile (Triton 3.9), 1 stage against 2:
 # output dv 32 KB against 91 KB (3 CTAs/SM against 2). Output bwd stays at 1 CTA/SM either way
 # (8 warps at >128 registers; its 4-warp builds spill) and its V loops do pipeline, so it gets one
-# 1-stage candidate for the search.
+# 1-stage candidate for the search. Its BKB=128 candidates (one K block: ds summed in the block's own
+# V loop, each of vn / do / h / dh read once) spill 216 B (2 stages) / 40 B (1 stage) where BKB=64
+# does not, but read half the bytes; on the H200 (Triton 3.6) the search picked BKB=128, BV=32, 2 stages
+# (1.39 against 1.53 ms at B1-T16384).
 # Output fwd: one program per (chunk, q/k head) loops over the HV // H value heads and the V blocks, so
 # 2 stages do pipeline its h / v_new loads. Static sm_90 compile at Qwen3.5 shapes (bf16, tf32), none
 # spills: BV=64 4 warps 233 registers 72 KB (2 CTAs/SM), 1 stage 250 / 16 KB (2); BV=32 234 / 36 KB
@@ -41,9 +44,11 @@ OUTPUT_DV_CONFIGS = [
     {"BV": 128, "num_warps": 4, "num_stages": 1},
 ]
 OUTPUT_BWD_CONFIGS = [
-    {"BV": 64, "num_warps": 8},
-    {"BV": 32, "num_warps": 8},
-    {"BV": 64, "num_warps": 8, "num_stages": 1},
+    {"BKB": 64, "BV": 64, "num_warps": 8},
+    {"BKB": 64, "BV": 32, "num_warps": 8},
+    {"BKB": 64, "BV": 64, "num_warps": 8, "num_stages": 1},
+    {"BKB": 128, "BV": 32, "num_warps": 8},
+    {"BKB": 128, "BV": 32, "num_warps": 8, "num_stages": 1},
 ]
 
 
@@ -218,24 +223,26 @@ def _gdn_output_bwd_kernel(
         p_hc = ((t0 * 0 + i_c) * HV + i_hv) * (K * V)
         b_rq = _gdn_rstd(rq, t0, o_t, m_t, i_h, H, L2NORM)
         b_rk = _gdn_rstd(rk, t0, o_t, m_t, i_h, H, L2NORM)
-        # ds = do vn^T is shared by all K blocks: one pass over V forms it before the K loop, and the
-        # decayed dP stays one fp32 [BT, BT] tile. (Forming it inside the first K block instead, with
-        # that block peeled off the loop, spilled at 8 warps in a static sm_90 compile.)
-        b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            b_vnt = tl.load(
-                vn + p_tv + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
-            )
-            b_do = tl.load(
-                do + p_tv + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-            )
-            b_ds += tl.dot(b_do.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
         b_g = tl.load(gc + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
         b_g_last = tl.load(gc + (t0 + tl.minimum(n_left, BT) - 1) * HV + i_hv)
         m_causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_dp = b_ds * _gdn_decay(b_g, b_g, m_causal)
+        # ds = do vn^T is shared by all K blocks. With one K block (BKB >= K) it is summed in that block's
+        # V loop from tiles loaded there anyway; with several, one pass over V forms it first, and the
+        # decayed dP stays one fp32 [BT, BT] tile. (Forming it inside the first of several K blocks, with
+        # that block peeled off the loop, spilled at 8 warps in a static sm_90 compile.)
+        b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+        if BKB < K:
+            for i_v in range(0, tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_v = o_v < V
+                b_vnt = tl.load(
+                    vn + p_tv + o_t[None, :] * (HV * V) + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0
+                )
+                b_do = tl.load(
+                    do + p_tv + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+                )
+                b_ds += tl.dot(b_do.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
+            b_dp = b_ds * _gdn_decay(b_g, b_g, m_causal)
         b_dgam = tl.zeros([BT], dtype=tl.float32)
         b_dgl = 0.0  # k.dk3 part of the G_last term
         b_hdh = 0.0  # <dh, h>
@@ -263,9 +270,11 @@ def _gdn_output_bwd_kernel(
                 # h is loaded once, plain: <h, dh> pairs it with dh elementwise, the dots take its transpose.
                 b_h = tl.load(h + p_hc + o_kv, mask=m_kv, other=0.0)
                 b_ht = tl.trans(b_h)
-                b_dq += tl.dot(
-                    tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0).to(DT), b_ht.to(DT), input_precision=DOT_PREC
-                )
+                b_do = tl.load(do + p_tv + o_tv, mask=m_tv, other=0.0)
+                if BKB >= K:
+                    # A copy as the left operand: Ascend's tl.dot may overwrite it, and dq reads do next.
+                    b_ds += tl.dot(b_do.to(DT) + 0.0, b_vnt.to(DT), input_precision=DOT_PREC)
+                b_dq += tl.dot(b_do.to(DT), b_ht.to(DT), input_precision=DOT_PREC)
                 b_dh = tl.load(dh + p_hc + o_kv, mask=m_kv, other=0.0)
                 b_hdh += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1), 0)
                 b_dk3t += tl.dot(b_dh.to(DT), b_vnt.to(DT), input_precision=DOT_PREC)
@@ -273,6 +282,8 @@ def _gdn_output_bwd_kernel(
                 b_dw += tl.dot(b_dvn.to(DT), b_ht.to(DT), input_precision=DOT_PREC)
 
             tl.store(dw + p_tk + o_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+            if BKB >= K:
+                b_dp = b_ds * _gdn_decay(b_g, b_g, m_causal)
             # Each gradient is stored and reduced into the log-decay terms as soon as it is complete,
             # which keeps few [BT, BKB] fp32 tiles live at once.
             # dP stays fp32 (TF32 on GPUs): dq, dk feed dg = q.dq - k.dk, which cancels.
@@ -300,8 +311,8 @@ def _output_meta(shape: dict) -> dict:
 
 
 def _output_bwd_meta(shape: dict) -> dict:
-    # BKB: the K column block (one program walks all of them and sums their log-decay terms)
-    return {"BT": BT, "BKB": min(64, next_pow2(shape["K"]))}
+    # The K column block BKB is a config: one program walks all of them and sums their log-decay terms.
+    return {"BT": BT}
 
 
 def _v_grid(meta: dict) -> tuple[int]:
@@ -435,7 +446,6 @@ def gdn_output_bwd(q, rq, k, rk, gc, h, dh, vn, dvn, do, scale: float, plan: Chu
             dgl=dgl,
             scale=scale,
             **plan.tile_args(H, HV, K, V, q.dtype, l2norm=rk is not None),
-            BT=meta["BT"],
-            BKB=meta["BKB"],
+            **meta,
         )
     return dq, dk, dw, dgam, dgl

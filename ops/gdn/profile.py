@@ -45,7 +45,7 @@ def profile_cases(providers: list[str], case_ids: list[str]) -> None:
                 call = functools.partial(bench.run, provider, inputs, mode)
                 for _ in range(3):
                     call()
-                ms = time_ms(call)
+                ms = time_ms(call, reps=10)
                 device.synchronize()
                 device.reset_peak_memory_stats()
                 before = device.memory_stats()["allocated_gib"] * 2**30

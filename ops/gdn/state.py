@@ -2,15 +2,15 @@
 
 Forward, per sequence, value head and V block, with h [K, V] the state entering chunk c and
 Ai, w from `solve.py` and `wy.py`:
-    v_new = Ai (beta v) - w h            (the chunk's values minus what the state predicts)
+    v_new = u - w h                      (the chunk's values u = Ai (beta v) minus what the state predicts)
     h     = exp(G_last) h + (K * exp(G_last - G))^T v_new
 Backward, in reverse, with dh the gradient of the state leaving chunk c:
     dv_new = dv_local + (K * exp(G_last - G)) dh
     dh     = exp(G_last) dh + scale (Q * exp(G))^T do - w^T dv_new
-State and accumulation in fp32; stored per-chunk states in the input dtype. u = Ai (beta v) is formed
-here, in fp32 (TF32 products on GPUs for 16-bit inputs), rather than stored by the WY stage: a 16-bit
-u, and a 16-bit v_new, were the two largest roundings in the bf16 output error after the output's own
-(measured with fp64 emulation at Qwen3.5 shapes), so v_new is stored in fp32.
+State and accumulation in fp32; stored per-chunk states in the input dtype. u and v_new are fp32: a
+16-bit u, and a 16-bit v_new, were the two largest roundings in the bf16 output error after the
+output's own (measured with fp64 emulation at Qwen3.5 shapes). u comes from the WY stage (parallel over
+chunks) rather than being formed here: a product formed in this kernel lengthens the sequential pass.
 """
 
 from __future__ import annotations
@@ -19,16 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _gdn_load_ai, _gdn_rstd
+from .common import _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
 
 # The state kernels run one program per (sequence, value head, V block): at B=1, HV=32, BV=16 fills
-# two programs per H200 multiprocessor, BV=32 one.
+# two programs per H200 multiprocessor, BV=32 one. Static sm_90 compile (Triton 3.9, Qwen3.5 shapes),
+# forward: none spills; 4 warps BV=16/32/64 take 117/161/254 registers, 8 warps BV=32/64 140/201.
 STATE_CONFIGS = [
     {"BV": 32, "num_warps": 4, "num_stages": 2},
     {"BV": 16, "num_warps": 4, "num_stages": 2},
     {"BV": 32, "num_warps": 4, "num_stages": 3},
     {"BV": 64, "num_warps": 4, "num_stages": 2},
+    {"BV": 32, "num_warps": 8, "num_stages": 2},
+    {"BV": 64, "num_warps": 8, "num_stages": 2},
 ]
 
 
@@ -37,9 +40,7 @@ def _gdn_state_fwd_kernel(
     k,
     rk,
     w,
-    v,
-    beta,
-    Ai,
+    u,
     gc,
     h0,
     h,
@@ -95,14 +96,9 @@ def _gdn_state_fwd_kernel(
             b_w = tl.load(p_w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
             p_tv = (t_c * HV + i_hv) * V
-            b_beta = tl.load(beta + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-            b_vb = tl.load(v + p_tv + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
-            b_vn = tl.dot(
-                _gdn_load_ai(Ai + (t_c * HV + i_hv) * BT, o_t, m_t, False, HV * BT).to(tl.float32),
-                b_vb,
-                input_precision=DOT_PREC,
+            b_vn = tl.load(u + p_tv + o_tv, mask=m_tv, other=0.0) - tl.dot(
+                b_w.to(DT), b_h.to(DT), input_precision=DOT_PREC
             )
-            b_vn -= tl.dot(b_w.to(DT), b_h.to(DT), input_precision=DOT_PREC)
             tl.store(vn + p_tv + o_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
             b_g = tl.load(gc + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
             b_g_last = tl.load(gc + (t_c + n_in - 1) * HV + i_hv)
@@ -235,12 +231,11 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_state_fwd(k, rk, w, v, beta, Ai, gc, h0, output_final_state: bool, plan: ChunkPlan):
-    """k [B, T, H, K], w [B, T, HV, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT],
-    h0 [N, HV, K, V] or None -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] fp32,
-    ht [N, HV, K, V] fp32 or None."""
+def gdn_state_fwd(k, rk, w, u, gc, h0, output_final_state: bool, plan: ChunkPlan):
+    """k [B, T, H, K], w [B, T, HV, K], u [B, T, HV, V] fp32, gc [B, T, HV], h0 [N, HV, K, V] or None
+    -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] fp32, ht [N, HV, K, V] fp32 or None."""
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV, V = u.shape[2], u.shape[3]
     h = torch.empty(plan.NT, HV, K, V, dtype=k.dtype, device=k.device)
     vn = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
     ht = torch.empty(plan.N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -252,9 +247,7 @@ def gdn_state_fwd(k, rk, w, v, beta, Ai, gc, h0, output_final_state: bool, plan:
         k=k,
         rk=rk,
         w=w,
-        v=v,
-        beta=beta,
-        Ai=Ai,
+        u=u,
         gc=gc,
         h0=h0,
         h=h,

@@ -1,7 +1,7 @@
 """WY representation of the chunked gated delta rule, forward and backward.
 
 Forward, per chunk and value head (Ai = (I + A)^-1 from `solve.py`):
-    W = Ai diag(beta exp(G)) K   [BT, K]      (U = Ai diag(beta) V [BT, V] is formed in `state.py`)
+    W = Ai diag(beta exp(G)) K   [BT, K]      U = Ai diag(beta) V   [BT, V], fp32
 Backward, given dW and dU (= dv_new) from the state/output stages, through W, U and
 A = diag(beta) (K K^T * exp(G_i - G_j)) (strictly lower) to dk, dv, dbeta and the log-decay,
 then the reverse in-chunk cumsum to dg and, for the in-kernel gate, to da / dA_log.
@@ -16,7 +16,7 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}]
+W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}, {"num_warps": 4, "num_stages": 1}, {"num_warps": 8, "num_stages": 1}]
 # WY bwd: BV=64 at 8 warps does not spill (sm_90, Triton 3.9); the others do (4 warps: ~290 B) and are
 # left to the autotuner, as register allocation differs between Triton versions.
 WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV": 64, "num_warps": 4}]
@@ -26,24 +26,30 @@ WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV":
 def _gdn_wy_fwd_kernel(
     k,
     rk,
+    v,
     beta,
     gc,
     Ai,
     w,
+    u,
     cu_seqlens,
     chunk_table,
     n_chunks,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
+    V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    BV: tl.constexpr,
+    STORE_U: tl.constexpr,
     L2NORM: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """One program per (chunk, value head) tile (1-D grid, looping): w = Ai (beta exp(G) k), written
-    in k's dtype. (u = Ai (beta v) is formed by the state stage, which consumes it.)"""
+    in k's dtype, and when STORE_U u = Ai (beta v) in fp32 (TF32 products on GPUs for 16-bit inputs):
+    a 16-bit u was, after the output's own, the largest rounding in the bf16 output error."""
     i_p = tl.program_id(0)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -61,7 +67,16 @@ def _gdn_wy_fwd_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(k + (t0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_kb = (b_k * (b_beta * tl.exp(b_g) * b_r)[:, None]).to(DT)
-        b_w = tl.dot(_gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, False, HV * BT).to(DT), b_kb, input_precision=DOT_PREC)
+        b_ai = _gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, False, HV * BT)
+        if STORE_U:
+            o_v = tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+            b_vb = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
+            # A copy as the left operand: Ascend's tl.dot may overwrite it, and w reads Ai next.
+            b_u = tl.dot(b_ai.to(tl.float32) + 0.0, b_vb, input_precision=DOT_PREC)
+            tl.store(u + p_t1 * V + o_tv, b_u, mask=m_tv)
+        b_w = tl.dot(b_ai.to(DT), b_kb, input_precision=DOT_PREC)
         tl.store(w + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
 
 
@@ -226,7 +241,7 @@ def _gdn_wy_bwd_kernel(
 
 
 def _wy_meta(shape: dict) -> dict:
-    return {"BT": BT, "BK": next_pow2(shape["K"])}
+    return {"BT": BT, "BK": next_pow2(shape["K"]), "BV": next_pow2(shape["V"])}
 
 
 def _wy_bwd_meta(shape: dict) -> dict:
@@ -261,11 +276,13 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_wy_fwd(k: torch.Tensor, rk, beta: torch.Tensor, gc: torch.Tensor, Ai: torch.Tensor, plan: ChunkPlan):
-    """k [B, T, H, K], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K] (k dtype)."""
+def gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan: ChunkPlan, store_u: bool):
+    """k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K]
+    (k dtype) and, when store_u, u [B, T, HV, V] fp32 (else None: the backward needs w alone)."""
     B, T, H, K = k.shape
-    HV = beta.shape[2]
+    HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if store_u else None
     if plan.NT > 0:
         launch(
             _gdn_wy_fwd_kernel,
@@ -274,14 +291,17 @@ def gdn_wy_fwd(k: torch.Tensor, rk, beta: torch.Tensor, gc: torch.Tensor, Ai: to
             _wy_grid,
             k=k,
             rk=rk,
+            v=v,
             beta=beta,
             gc=gc,
             Ai=Ai,
             w=w,
-            **plan.tile_args(H, HV, K, None, k.dtype, l2norm=rk is not None),
-            **_wy_meta({"K": K}),
+            u=u,
+            STORE_U=store_u,
+            **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
+            **_wy_meta({"K": K, "V": V}),
         )
-    return w
+    return w, u
 
 
 def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dk, dgam, dgl, gate, g_dtype, plan: ChunkPlan):
