@@ -439,10 +439,21 @@ def test_gpu_matches_fla():
             f"\n{what}: rel-RMS ours vs fp64 {errs[0]:.2e}, fla vs fp64 {errs[1]:.2e}, ours vs fla {errs[2]:.2e}",
             end="",
         )
+    failures = []
     for what, ref, theirs, ours in pairs:
-        assert_rel_rms(f"{what} ours vs reference", ref, ours, tol[what])
-        assert_rel_rms(f"{what} ours vs fla", theirs, ours, tol[what])
-        # fla's backward runs past its own Hopper guard here, so its gradients must match the
-        # reference; its bf16 o error is fla's own property (printed above), not asserted.
-        if what != "o":
-            assert_rel_rms(f"{what} fla vs reference", ref, theirs, tol[what])
+        checks = [(f"{what} ours vs reference", ref, ours)]
+        if what == "o":
+            # fla's own bf16 o is further from fp64 than the o budget (4.4e-3 against 3e-3 on the H200,
+            # 2026-11-29), so ours-vs-fla cannot meet it; ours must be at least as close to fp64 as fla.
+            ours_err, fla_err = rel_rms(ref, ours), rel_rms(ref, theirs)
+            if ours_err > fla_err:
+                failures.append(f"o: ours {ours_err:.2e} is further from fp64 than fla {fla_err:.2e}")
+        else:
+            # fla's backward runs past its own Hopper guard here, so its gradients must match the reference.
+            checks += [(f"{what} ours vs fla", theirs, ours), (f"{what} fla vs reference", ref, theirs)]
+        for name, a, b in checks:
+            try:
+                assert_rel_rms(name, a, b, tol[what])
+            except AssertionError as e:
+                failures.append(str(e))
+    assert not failures, "\n".join(failures)
