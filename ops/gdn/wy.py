@@ -16,7 +16,17 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}, {"num_warps": 4, "num_stages": 1}, {"num_warps": 8, "num_stages": 1}]
+# WY fwd: BV is the V block of u (the loop over V blocks runs only when u is stored). Run 5 (H200) picked
+# 8 warps, 2 stages with u in one 128-wide block (0.39 ms at B1-T16384, u ~0.28 of it); the 64-wide
+# blocks halve the live u tile. Static sm_90 compile: no config spills.
+W_CONFIGS = [
+    {"BV": 64, "num_warps": 8},
+    {"BV": 128, "num_warps": 8},
+    {"BV": 64, "num_warps": 4},
+    {"BV": 128, "num_warps": 4},
+    {"BV": 64, "num_warps": 4, "num_stages": 1},
+    {"BV": 128, "num_warps": 8, "num_stages": 1},
+]
 # WY bwd: BV=64 at 8 warps does not spill (sm_90, Triton 3.9); the others do (4 warps: ~290 B) and are
 # left to the autotuner, as register allocation differs between Triton versions.
 WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV": 64, "num_warps": 4}]
@@ -69,13 +79,14 @@ def _gdn_wy_fwd_kernel(
         b_kb = (b_k * (b_beta * tl.exp(b_g) * b_r)[:, None]).to(DT)
         b_ai = _gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, False, HV * BT)
         if STORE_U:
-            o_v = tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-            b_vb = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
-            # A copy as the left operand: Ascend's tl.dot may overwrite it, and w reads Ai next.
-            b_u = tl.dot(b_ai.to(tl.float32) + 0.0, b_vb, input_precision=DOT_PREC)
-            tl.store(u + p_t1 * V + o_tv, b_u, mask=m_tv)
+            for i_v in range(0, tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+                b_vb = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
+                # A copy as the left operand: Ascend's tl.dot may overwrite it, and w reads Ai last.
+                b_u = tl.dot(b_ai.to(tl.float32) + 0.0, b_vb, input_precision=DOT_PREC)
+                tl.store(u + p_t1 * V + o_tv, b_u, mask=m_tv)
         b_w = tl.dot(b_ai.to(DT), b_kb, input_precision=DOT_PREC)
         tl.store(w + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
 
@@ -241,7 +252,7 @@ def _gdn_wy_bwd_kernel(
 
 
 def _wy_meta(shape: dict) -> dict:
-    return {"BT": BT, "BK": next_pow2(shape["K"]), "BV": next_pow2(shape["V"])}
+    return {"BT": BT, "BK": next_pow2(shape["K"])}
 
 
 def _wy_bwd_meta(shape: dict) -> dict:
@@ -299,7 +310,7 @@ def gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan: ChunkPlan, store_u: bool):
             u=u,
             STORE_U=store_u,
             **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
-            **_wy_meta({"K": K, "V": V}),
+            **_wy_meta({"K": K}),
         )
     return w, u
 
