@@ -13,6 +13,7 @@ Alphabet: N sequences in a micro-batch, T packed tokens, D hidden, VOCAB vocabul
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +59,16 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+
+def enable_determinism(seed: int) -> None:
+    """verl's `full_determinism`: verl's own switches (seeds, deterministic torch algorithms,
+    cuBLAS workspace, NCCL / HCCL settings), plus our kernels' fixed configs (`device.deterministic`),
+    so two processes given the same inputs produce the same bits."""
+    from verl.workers.engine.utils import enable_full_determinism
+
+    enable_full_determinism(seed=seed)
+    os.environ[device.DETERMINISTIC_ENV] = "1"
 
 
 def check_batch_options(data: TensorDict) -> None:

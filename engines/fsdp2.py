@@ -96,6 +96,8 @@ class MoeFsdp2Engine(BaseEngine):
         super().__init__()
         world_size = dist.get_world_size()
         validate_engine_config(model_config, engine_config, world_size)
+        if engine_config.full_determinism:
+            core.enable_determinism(engine_config.seed)
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config

@@ -135,19 +135,25 @@ def _autotuned(kernel, configs: tuple, key: tuple, restore: tuple):
     return triton.autotune(configs=tconfigs, key=list(key), restore_value=list(restore))(kernel)
 
 
+def search_configs(configs: list[dict], args: dict) -> list[dict]:
+    """The configs the autotuner may pick from: the first one alone in deterministic mode (the configs
+    differ in block sizes, hence in the order of some reductions) and for fp32 inputs (the accuracy
+    mode: its exact "ieee" tl.dot compiles to FMA loops on CUDA, ~10 s per kernel and config)."""
+    if device.deterministic() or args.get("DT") is tl.float32:
+        return configs[:1]
+    return configs
+
+
 def launch(kernel, configs: list[dict], key: list[str], grid, restore: tuple[str, ...] = (), **args) -> None:
-    """Run `kernel` over `grid(meta) -> (programs,)`: first config when interpreting, else autotuned.
+    """Run `kernel` over `grid(meta) -> (programs,)`: first config when interpreting, else autotuned
+    over `search_configs`.
     restore: names of tensors the kernel updates in place, which the search restores after each trial
     (else they would accumulate every benchmarked run)."""
     if interpreting():
         meta = {k: v for k, v in configs[0].items() if k not in ("num_warps", "num_stages")}
         kernel[grid({**args, **meta})](**args, **meta)
         return
-    if args.get("DT") is tl.float32:
-        # fp32 inputs are the accuracy mode: their exact ("ieee") tl.dot compiles to FMA loops on CUDA,
-        # ~10 s per kernel and config to build, so they skip the search.
-        configs = configs[:1]
-    frozen = tuple(tuple(sorted(c.items())) for c in configs)
+    frozen = tuple(tuple(sorted(c.items())) for c in search_configs(configs, args))
     tuned = _autotuned(kernel, frozen, tuple(key), tuple(restore))
     # The autotuner's own pick key: the key arguments and every tensor's dtype.
     pick_key = (tuned, *(args[k] for k in key), *(str(v.dtype) for v in args.values() if isinstance(v, torch.Tensor)))

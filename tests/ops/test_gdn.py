@@ -330,6 +330,21 @@ def test_bitwise_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_deterministic_mode_searches_one_config(monkeypatch):
+    """Across processes the autotuner may pick output-backward configs whose K blocks (BKB) differ,
+    and with them the order of the log-decay sums; deterministic mode leaves it one config."""
+    import triton.language as tl
+    from verl_moe.ops.gdn.output import OUTPUT_BWD_CONFIGS
+
+    assert len({c["BKB"] for c in OUTPUT_BWD_CONFIGS}) > 1
+    bf16 = {"DT": tl.bfloat16}
+    monkeypatch.delenv(device.DETERMINISTIC_ENV, raising=False)
+    assert gdn_launch.search_configs(OUTPUT_BWD_CONFIGS, bf16) == OUTPUT_BWD_CONFIGS
+    assert gdn_launch.search_configs(OUTPUT_BWD_CONFIGS, {"DT": tl.float32}) == OUTPUT_BWD_CONFIGS[:1]
+    monkeypatch.setenv(device.DETERMINISTIC_ENV, "1")
+    assert gdn_launch.search_configs(OUTPUT_BWD_CONFIGS, bf16) == OUTPUT_BWD_CONFIGS[:1]
+
+
 def test_programs_loop_past_the_grid_limit(monkeypatch):
     x = make_inputs(1, 130, 1, 2, 16, 16, torch.float32)
     full = run_ours(x)
