@@ -144,6 +144,10 @@ def search_configs(configs: list[dict], args: dict) -> list[dict]:
     return configs
 
 
+# (autotuned kernel, key values, tensor dtypes) -> the config the autotuner picked for them
+_PICKED: dict[tuple, dict] = {}
+
+
 def launch(kernel, configs: list[dict], key: list[str], grid, restore: tuple[str, ...] = (), **args) -> None:
     """Run `kernel` over `grid(meta) -> (programs,)`: first config when interpreting, else autotuned
     over `search_configs`.
@@ -165,6 +169,3 @@ def launch(kernel, configs: list[dict], key: list[str], grid, restore: tuple[str
         # Once picked, launch the plain kernel with that config: the autotuner's per-call bookkeeping
         # is host time that, at 13 launches per fwd+bwd, can leave the GPU waiting on short kernels.
         kernel[grid](**args, **best)
-
-
-_PICKED: dict[tuple, dict] = {}

@@ -25,8 +25,7 @@ from . import l2norm, output, solve, state, wy
 
 SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "T": 16384, "N": 1}
 # Pointer arguments that hold fp32 data; every other pointer is the bf16 input dtype.
-FP32_POINTERS = {"gc", "rk", "rq", "dgam", "dgl", "ht", "dht", "h0", "dh0", "vn", "u", "dA_log_tok"}
-FP32_POINTERS |= {"A_log", "dt_bias", "a", "g"}
+FP32_POINTERS = set("gc rk rq dgam dgl ht dht h0 dh0 vn u dA_log_tok A_log dt_bias a g".split())
 
 
 def _jit_fn(kernel):
