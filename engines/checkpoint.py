@@ -71,13 +71,18 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, target: torch.device)
                 state[key] = value.to(target)
 
 
-def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per state-dict entry, all-gathered one at a time (every rank must iterate);
-    a tied lm_head is left out, as transformers does on save."""
+def exported_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor as held: DTensor or plain) per state-dict entry that leaves the trainer; a tied
+    lm_head is left out, as transformers does on save."""
     tied = model.arch.tie_word_embeddings
     for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
+        if not (tied and name == "lm_head.weight"):
+            yield name, tensor
+
+
+def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per `exported_state` entry, all-gathered one at a time (every rank must iterate)."""
+    for name, tensor in exported_state(model):
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 

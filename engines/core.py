@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
+from verl_moe.models.weights import vllm_slot_positions, vllm_slots
 from verl_moe.ops import device
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
@@ -69,6 +70,22 @@ def enable_determinism(seed: int) -> None:
 
     enable_full_determinism(seed=seed)
     os.environ[device.DETERMINISTIC_ENV] = "1"
+
+
+def vllm_delta_entry(name: str, spec, place, local_idx: torch.Tensor, values: torch.Tensor) -> tuple:
+    """verl's per-parameter delta entry `(slots, dtype, counts, positions, values)` in vLLM's names:
+    this rank's changed elements (shard-local flat `local_idx`) moved to the full tensor, then to the
+    `vllm_slots` it splits into (a fused expert tensor: one slot per expert projection), slot-major.
+    Every slot is listed on every rank, with zero counts where untouched, so the ranks' gathers stay in step."""
+    from verl.workers.engine.spec import translate_flat_indices
+
+    slots = vllm_slots(name, tuple(spec.full_shape))
+    full_idx = translate_flat_indices(local_idx, place) if local_idx.numel() else local_idx
+    slot, position = vllm_slot_positions(slots, full_idx)
+    order = torch.argsort(slot, stable=True)
+    counts = torch.bincount(slot, minlength=len(slots)).to(device="cpu", dtype=torch.int64)
+    dtype = str(values.dtype).removeprefix("torch.")
+    return slots, dtype, counts, position[order].to(torch.int32), values[order]
 
 
 def check_batch_options(data: TensorDict) -> None:

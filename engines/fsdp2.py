@@ -37,6 +37,7 @@ from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config.optimizer import build_optimizer
@@ -324,6 +325,31 @@ class MoeFsdp2Engine(BaseEngine):
 
         named = full_tensors()
         return (to_vllm_named_tensors(named) if layout == "vllm" else named), None
+
+    def get_per_tensor_param_shard(self, **kwargs) -> tuple[Generator, None]:
+        """(generator of (transformers name, this rank's local shard flat in bf16, verl `ShardSpec`), None)
+        for verl's sharded delta checkpoint engine: no collective, the same names in the same order on
+        every rank; bf16 is what the rollout holds, so an update that rounds away is not shipped."""
+        from verl.workers.engine.spec import ShardSpec
+
+        def local_shards():
+            with self._params_on_device():
+                for name, tensor in ckpt.exported_state(self.module.model):
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    if local.is_floating_point():
+                        local = local.to(torch.bfloat16)
+                    yield name, local.reshape(-1), ShardSpec.from_param(tensor)
+
+        return local_shards(), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs) -> tuple[Generator, None]:
+        """verl's delta export: per parameter, the elements changed since the last export (or since
+        `prime_delta_snapshots`) in vLLM's names and coordinates (`core.vllm_delta_entry`)."""
+        from verl.workers.engine.utils import hf_delta_export
+
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        gen, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(gen, self._delta_shard_snap, core.vllm_delta_entry), None
 
     # ---- parallel layout ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -149,21 +150,37 @@ def from_pretrained(
     return model
 
 
-def _split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per-expert (name, tensor) views of a fused expert tensor; other names pass through."""
+def vllm_slots(name: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """The (vLLM name, shape) tensors that the transformers tensor `name` of `shape` becomes, in its
+    flat order, all of one size: per expert `gate_proj` [I, D] then `up_proj` [I, D] for a fused
+    `gate_up_proj` [E, 2I, D]; per expert `down_proj` [D, I] for a fused `down_proj` [E, D, I]; the
+    tensor itself for every other name. Flat position p of the tensor is position p % n of slot
+    p // n, n being a slot's size (`vllm_slot_positions`)."""
     m = _FUSED.match(name)
     if m is None:
+        return [(name, tuple(shape))]
+    prefix, (experts, rows, cols) = m["prefix"], shape
+    if m["proj"] == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", (rows, cols)) for e in range(experts)]
+    half = (rows // 2, cols)
+    return [(f"{prefix}.{e}.{proj}.weight", half) for e in range(experts) for proj in ("gate_proj", "up_proj")]
+
+
+def vllm_slot_positions(slots: list[tuple[str, tuple]], flat_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, flat position inside the slot) of flat positions `flat_idx` of a tensor split into `slots`."""
+    numel = math.prod(slots[0][1])
+    return torch.div(flat_idx, numel, rounding_mode="floor"), flat_idx % numel
+
+
+def _split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert (name, tensor) views of a fused expert tensor; other names pass through."""
+    slots = vllm_slots(name, tuple(tensor.shape))
+    if slots[0][0] == name:
         yield name, tensor
         return
-    prefix = m["prefix"]
-    if m["proj"] == "down_proj":
-        for e in range(tensor.shape[0]):
-            yield f"{prefix}.{e}.down_proj.weight", tensor[e]
-        return
-    inter = tensor.shape[1] // 2
-    for e in range(tensor.shape[0]):
-        yield f"{prefix}.{e}.gate_proj.weight", tensor[e, :inter]
-        yield f"{prefix}.{e}.up_proj.weight", tensor[e, inter:]
+    per_slot = tensor.reshape(len(slots), *slots[0][1])
+    for s, (slot_name, _) in enumerate(slots):
+        yield slot_name, per_slot[s]
 
 
 def save_pretrained(model: MoeCausalLM, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:
@@ -243,4 +260,6 @@ __all__ = [
     "load_checkpoint",
     "save_pretrained",
     "to_vllm_named_tensors",
+    "vllm_slot_positions",
+    "vllm_slots",
 ]

@@ -199,3 +199,38 @@ def reference_train_step(model, optimizer, data: TensorDict, loss_fn, clip_grad:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     return loss.item(), grad_norm.item()
+
+
+def check_delta_weight_sync(engine, rank: int, world_size: int, batch: int, prompt: int, response: int) -> None:
+    """verl's sharded delta weight sync, with the delta engine's part done by hand: seed the rollout
+    with the full vLLM-layout export (in bf16, as a rollout holds it), prime the snapshots, train one
+    step, gather every rank's delta entries and write them into the rollout copy. It must equal the
+    full export after the step, bit for bit, and some expert slots must have changed."""
+    import torch.distributed as dist
+
+    rollout = {name: t.to(torch.bfloat16).clone() for name, t in engine.get_per_tensor_param(layout="vllm")[0]}
+    engine.prime_delta_snapshots()
+    data = make_batch(batch, prompt, response, seed=21)
+    data["old_log_probs"] = torch.full(data["responses"].shape, -4.5)
+    data["ref_log_prob"] = torch.full(data["responses"].shape, -4.6)
+    local = rank_slice(data, rank, world_size)
+    tu.assign_non_tensor(local, global_batch_size=batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    with engine.train_mode():
+        engine.train_batch(local, ppo_loss_fn(grpo_actor_config()))
+    changed = set()
+    for slots, dtype, counts, positions, values, group in engine.get_per_tensor_param_delta_shard()[0]:
+        assert dtype == "bfloat16" and len(counts) == len(slots) and positions.numel() == values.numel()
+        pieces = [None] * dist.get_world_size(group)
+        dist.all_gather_object(pieces, (counts, positions, values), group=group)
+        for rank_counts, rank_positions, rank_values in pieces if group is not None else pieces[:1]:
+            starts = [0, *torch.cumsum(rank_counts, 0).tolist()]
+            for s, (slot_name, _) in enumerate(slots):
+                lo, hi = starts[s], starts[s + 1]
+                rollout[slot_name].view(-1)[rank_positions[lo:hi].long()] = rank_values[lo:hi]
+                if hi > lo:
+                    changed.add(slot_name)
+    updated = {name: t.to(torch.bfloat16) for name, t in engine.get_per_tensor_param(layout="vllm")[0]}
+    assert rollout.keys() == updated.keys()
+    for name, tensor in updated.items():
+        assert torch.equal(rollout[name], tensor), name
+    assert any(".experts.0." in name for name in changed) and any("down_proj" in name for name in changed), changed

@@ -14,6 +14,7 @@ import verl_moe.models as vm
 from dist import spawn
 from engine_setup import (
     build_engine,
+    check_delta_weight_sync,
     grpo_actor_config,
     make_batch,
     ppo_loss_fn,
@@ -197,3 +198,13 @@ def test_full_determinism_reproduces_bits_across_processes(tmp_path):
     assert runs[0]["weights"].keys() == runs[1]["weights"].keys()
     for name, tensor in runs[0]["weights"].items():
         assert torch.equal(tensor, runs[1]["weights"][name]), name
+
+
+def _delta_weight_sync(rank: int, world_size: int, path: str) -> None:
+    check_delta_weight_sync(build_engine(path), rank, world_size, BATCH, PROMPT, RESPONSE)
+
+
+@pytest.mark.dist
+def test_delta_weight_sync_reproduces_the_full_export(tmp_path):
+    path = write_tiny_model(str(tmp_path / "model"))
+    spawn(_delta_weight_sync, 2, path)

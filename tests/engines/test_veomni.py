@@ -19,6 +19,7 @@ from dist import spawn
 from engine_setup import (
     build_engine,
     build_veomni_engine,
+    check_delta_weight_sync,
     grpo_actor_config,
     make_batch,
     ppo_loss_fn,
@@ -153,3 +154,18 @@ def _resume_bit_exact_with_ep(rank: int, world_size: int, path: str, ckpt: str) 
 def test_checkpoint_resume_is_bit_exact_under_expert_parallelism(tmp_path):
     path = write_tiny_model(str(tmp_path / "model"))
     spawn(_resume_bit_exact_with_ep, 2, path, str(tmp_path / "ckpt"))
+
+
+def _delta_weight_sync_with_ep(rank: int, world_size: int, path: str) -> None:
+    engine = build_veomni_engine(path, expert_parallel_size=2)
+    check_delta_weight_sync(engine, rank, world_size, BATCH, PROMPT, RESPONSE)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_delta_weight_sync_with_expert_parallelism(tmp_path, world_size):
+    """Expert tensors are DTensors over the expert mesh (ep x FSDP; at 4 ranks FSDP also cuts each
+    expert's dim 1, so a rank's block is not one flat range): each rank's delta lands in the right
+    per-expert vLLM tensors."""
+    path = write_tiny_model(str(tmp_path / "model"))
+    spawn(_delta_weight_sync_with_ep, world_size, path)
