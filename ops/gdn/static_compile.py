@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 
 from . import l2norm, output, solve, state, wy
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "T": 16384, "N": 1}
 # Pointer arguments that hold fp32 data; every other pointer is the bf16 input dtype.
 FP32_POINTERS = set("gc rk rq dgam dgl ht dht h0 dh0 vn u dA_log_tok A_log dt_bias a g".split())
@@ -58,11 +59,10 @@ def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int) -> dic
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps, "num_stages": num_stages}
     )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
     return {
         "regs": int(re.search(r"REG:(\d+)", usage).group(1)),
         "spill_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),

@@ -201,6 +201,17 @@ def reference_train_step(model, optimizer, data: TensorDict, loss_fn, clip_grad:
     return loss.item(), grad_norm.item()
 
 
+def fixed_ppo_batch(batch: int, prompt: int, response: int, seed: int, rank: int, world_size: int) -> TensorDict:
+    """This rank's slice of a training batch whose old / reference log-probs are constants (-4.5 / -4.6),
+    in micro-batches of 2 without dynamic batch size."""
+    data = make_batch(batch, prompt, response, seed=seed)
+    data["old_log_probs"] = torch.full(data["responses"].shape, -4.5)
+    data["ref_log_prob"] = torch.full(data["responses"].shape, -4.6)
+    local = rank_slice(data, rank, world_size)
+    tu.assign_non_tensor(local, global_batch_size=batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    return local
+
+
 def check_delta_weight_sync(engine, rank: int, world_size: int, batch: int, prompt: int, response: int) -> None:
     """verl's sharded delta weight sync, with the delta engine's part done by hand: seed the rollout
     with the full vLLM-layout export (in bf16, as a rollout holds it), prime the snapshots, train one
@@ -210,11 +221,7 @@ def check_delta_weight_sync(engine, rank: int, world_size: int, batch: int, prom
 
     rollout = {name: t.to(torch.bfloat16).clone() for name, t in engine.get_per_tensor_param(layout="vllm")[0]}
     engine.prime_delta_snapshots()
-    data = make_batch(batch, prompt, response, seed=21)
-    data["old_log_probs"] = torch.full(data["responses"].shape, -4.5)
-    data["ref_log_prob"] = torch.full(data["responses"].shape, -4.6)
-    local = rank_slice(data, rank, world_size)
-    tu.assign_non_tensor(local, global_batch_size=batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    local = fixed_ppo_batch(batch, prompt, response, 21, rank, world_size)
     with engine.train_mode():
         engine.train_batch(local, ppo_loss_fn(grpo_actor_config()))
     changed = set()

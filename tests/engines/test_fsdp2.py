@@ -15,6 +15,7 @@ from dist import spawn
 from engine_setup import (
     build_engine,
     check_delta_weight_sync,
+    fixed_ppo_batch,
     grpo_actor_config,
     make_batch,
     ppo_loss_fn,
@@ -126,12 +127,7 @@ def _memory_switches_do_not_change_numbers(rank: int, world_size: int, path: str
             lambda *args, calls=mlp_calls: calls.append(1)
         )
         for step in range(2):
-            data = make_batch(BATCH, PROMPT, RESPONSE, seed=10 + step)
-            shape = data["responses"].shape
-            data["old_log_probs"] = torch.full(shape, -4.5)
-            data["ref_log_prob"] = torch.full(shape, -4.6)
-            local = rank_slice(data, rank, world_size)
-            tu.assign_non_tensor(local, global_batch_size=BATCH, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+            local = fixed_ppo_batch(BATCH, PROMPT, RESPONSE, 10 + step, rank, world_size)
             with engine.train_mode():
                 out = engine.train_batch(local, loss_fn)
         micro_batches = 2 * (BATCH // world_size // 2)
@@ -175,10 +171,7 @@ def _deterministic_step(rank: int, world_size: int, path: str, out: str) -> None
 
     engine = build_engine(path, full_determinism=True, seed=7)
     assert torch.are_deterministic_algorithms_enabled() and device.deterministic()
-    data = make_batch(BATCH, PROMPT, RESPONSE, seed=3)
-    data["old_log_probs"] = torch.full(data["responses"].shape, -4.5)
-    data["ref_log_prob"] = torch.full(data["responses"].shape, -4.6)
-    tu.assign_non_tensor(data, global_batch_size=BATCH, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    data = fixed_ppo_batch(BATCH, PROMPT, RESPONSE, 3, rank, world_size)
     with engine.train_mode():
         metrics = engine.train_batch(data, ppo_loss_fn(grpo_actor_config()))["metrics"]
     weights = {name: t.clone() for name, t in engine.get_per_tensor_param(layout="hf")[0]}
