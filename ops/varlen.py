@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# id(tensor) -> (weak reference, version counter, values) of the offsets tensors read so far
+_HOST_VALUES: dict[int, tuple] = {}
+
+
+def host_values(cu_seqlens: torch.Tensor) -> list[int]:
+    """`cu_seqlens.tolist()`, read from the device once per tensor object and version: one packed batch's
+    offsets reach every layer's ops and the model's own check, and each read is a device-to-host copy
+    that waits for all queued device work."""
+    if cu_seqlens.is_inference():  # no version counter to tell an in-place update
+        return cu_seqlens.tolist()
+    seen = _HOST_VALUES.get(id(cu_seqlens))
+    if seen is not None and seen[0]() is cu_seqlens and seen[1] == cu_seqlens._version:
+        return seen[2]
+    values = cu_seqlens.tolist()
+    if len(_HOST_VALUES) >= 64:
+        _HOST_VALUES.clear()
+    _HOST_VALUES[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, values)
+    return values
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
@@ -14,7 +35,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    values = cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values[:-1], values[1:])):
@@ -27,5 +48,5 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, total_tokens: int) -> list[tuple
     """[(start, end), ...] per sequence; one sequence covering everything when cu_seqlens is None."""
     if cu_seqlens is None:
         return [(0, total_tokens)]
-    values = cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
     return list(zip(values[:-1], values[1:]))

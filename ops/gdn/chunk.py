@@ -1,7 +1,7 @@
 """Chunked gated delta rule on our Triton kernels: orchestration, autograd Function, public API.
 
 Stages (chunk = 64 tokens; see each module): l2norm (optional) -> solve (gate, cumsum,
-(I + A)^-1) -> wy (w, and u = Ai beta v in fp32) -> state (sequential over chunks) -> output. The
+Ai = (I + A)^-1) -> wy (w, Ai diag(beta)) -> state (sequential over chunks; u = Ai beta v) -> output. The
 backward recomputes w (one cheap parallel pass) but keeps the forward's per-chunk states h and
 v_new: recomputing them is a second sequential pass, ~10% of fwd+bwd at 16K tokens, while keeping
 them costs T * HV * (K + 4V) bytes per layer between forward and backward at bf16 (h in the input
@@ -39,11 +39,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, gate, initial_state, opts: GdnO
     plan = opts.plan
     rq = rk = None
     if opts.use_qk_l2norm_in_kernel:
-        rq, rk = gdn_l2norm_fwd(q), gdn_l2norm_fwd(k)
+        rq, rk = gdn_l2norm_fwd(q, k)
     gc, Ai = gdn_solve_fwd(k, rk, beta, g, gate, plan)
-    w, u = gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan, store_u=True)
-    h, vn, ht = gdn_state_fwd(k, rk, w, u, gc, initial_state, opts.output_final_state, plan)
-    del w, u
+    w, AiB = gdn_wy_fwd(k, rk, beta, gc, Ai, plan, store_aib=True)
+    h, vn, ht = gdn_state_fwd(k, rk, v, w, AiB, gc, initial_state, opts.output_final_state, plan)
+    del w, AiB
     o = gdn_output_fwd(q, rq, k, rk, gc, h, vn, opts.scale, plan)
     return o, ht, (rq, rk, gc, Ai, h, vn)
 
@@ -55,7 +55,7 @@ def chunk_gated_delta_rule_bwd(
     [B, T, H, K], dv [B, T, HV, V], dbeta [B, T, HV], dg (or da) [B, T, HV], dh0 [N, HV, K, V] fp32
     or None, dA_log_tok [B, T, HV] fp32 or None."""
     plan = opts.plan
-    w, _ = gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan, store_u=False)
+    w, _ = gdn_wy_fwd(k, rk, beta, gc, Ai, plan, store_aib=False)
     dvl = gdn_output_bwd_dv(q, rq, k, rk, gc, do, opts.scale, plan)
     dh, dh0, dvn = gdn_state_bwd(q, rq, k, rk, w, gc, dht, do, dvl, opts.scale, initial_state is not None, plan)
     del w, dvl

@@ -21,16 +21,22 @@ EPS = 1e-6
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _gdn_l2norm_fwd_kernel(x, rstd, n_rows, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
-    """One program per block of BR rows of x [rows, K] (1-D grid, looping): rstd [rows] fp32."""
+def _gdn_l2norm_fwd_kernel(
+    q, k, rq, rk, n_rows, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr
+):
+    """One program per block of BR rows of q and k [rows, K] (1-D grid, looping): rq, rk [rows] fp32.
+    Both in one launch: the forward's first kernels are short, so a second launch is host time the
+    device waits for."""
     i_p = tl.program_id(0)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     for i_blk in range(i_p, tl.cdiv(n_rows, BR), tl.num_programs(0)):
         o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
         m = (o_r < n_rows)[:, None] & m_k[None, :]
-        b_x = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(rstd + o_r, 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) + EPS), mask=o_r < n_rows)
+        b_q = tl.load(q + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(rq + o_r, 1.0 / tl.sqrt(tl.sum(b_q * b_q, 1) + EPS), mask=o_r < n_rows)
+        b_k = tl.load(k + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(rk + o_r, 1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + EPS), mask=o_r < n_rows)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -95,24 +101,27 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, K] -> rstd [B, T, H] fp32, 1 / sqrt(sum(x^2) + 1e-6)."""
-    K = x.shape[-1]
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if x.numel() > 0:
+def gdn_l2norm_fwd(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, T, H, K] -> rq, rk [B, T, H] fp32, each 1 / sqrt(sum(x^2) + 1e-6)."""
+    K = q.shape[-1]
+    rq = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    rk = torch.empty_like(rq)
+    if q.numel() > 0:
         launch(
             _gdn_l2norm_fwd_kernel,
             L2NORM_CONFIGS,
             ["K"],
             _rows_grid,
-            x=x,
-            rstd=rstd,
-            n_rows=x.numel() // K,
+            q=q,
+            k=k,
+            rq=rq,
+            rk=rk,
+            n_rows=q.numel() // K,
             K=K,
             EPS=EPS,
             **_rows_meta({"K": K}),
         )
-    return rstd
+    return rq, rk
 
 
 def gdn_qk_bwd(dx_hv: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor | None) -> torch.Tensor:

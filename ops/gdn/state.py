@@ -2,15 +2,16 @@
 
 Forward, per sequence, value head and V block, with h [K, V] the state entering chunk c and
 Ai, w from `solve.py` and `wy.py`:
-    v_new = u - w h                      (the chunk's values u = Ai (beta v) minus what the state predicts)
+    v_new = Ai diag(beta) v - w h        (the chunk's values u = Ai diag(beta) v minus what the state predicts)
     h     = exp(G_last) h + (K * exp(G_last - G))^T v_new
 Backward, in reverse, with dh the gradient of the state leaving chunk c:
     dv_new = dv_local + (K * exp(G_last - G)) dh
     dh     = exp(G_last) dh + scale (Q * exp(G))^T do - w^T dv_new
-State and accumulation in fp32; stored per-chunk states in the input dtype. u and v_new are fp32: a
+State and accumulation in fp32; stored per-chunk states in the input dtype. u and v_new stay fp32: a
 16-bit u, and a 16-bit v_new, were the two largest roundings in the bf16 output error after the
-output's own (measured with fp64 emulation at Qwen3.5 shapes). u comes from the WY stage (parallel over
-chunks) rather than being formed here: a product formed in this kernel lengthens the sequential pass.
+output's own (measured with fp64 emulation at Qwen3.5 shapes). u is formed here from two loaded 16-bit
+tiles (Ai diag(beta) from `wy.py`, and v): an fp32 u formed elsewhere costs its 4-byte write and read,
+and a u formed here from computed fp32 operands (as in the second session) held the sequential pass up.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ STATE_CONFIGS = [
 def _gdn_state_fwd_kernel(
     k,
     rk,
+    v,
     w,
-    u,
+    AiB,
     gc,
     h0,
     h,
@@ -96,9 +98,14 @@ def _gdn_state_fwd_kernel(
             b_w = tl.load(p_w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
             p_tv = (t_c * HV + i_hv) * V
-            b_vn = tl.load(u + p_tv + o_tv, mask=m_tv, other=0.0) - tl.dot(
-                b_w.to(DT), b_h.to(DT), input_precision=DOT_PREC
+            # u = (Ai diag(beta)) v from two loaded 16-bit tiles, fp32 accumulation: the same
+            # roundings as a u formed elsewhere in fp32, without its fp32 round trip through memory.
+            b_aib = tl.load(
+                AiB + (t_c * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.0
             )
+            b_v = tl.load(v + p_tv + o_tv, mask=m_tv, other=0.0)
+            b_vn = tl.dot(b_aib.to(DT), b_v.to(DT), input_precision=DOT_PREC)
+            b_vn -= tl.dot(b_w.to(DT), b_h.to(DT), input_precision=DOT_PREC)
             tl.store(vn + p_tv + o_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
             b_g = tl.load(gc + t_c * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
             b_g_last = tl.load(gc + (t_c + n_in - 1) * HV + i_hv)
@@ -231,11 +238,11 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_state_fwd(k, rk, w, u, gc, h0, output_final_state: bool, plan: ChunkPlan):
-    """k [B, T, H, K], w [B, T, HV, K], u [B, T, HV, V] fp32, gc [B, T, HV], h0 [N, HV, K, V] or None
-    -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] fp32, ht [N, HV, K, V] fp32 or None."""
+def gdn_state_fwd(k, rk, v, w, AiB, gc, h0, output_final_state: bool, plan: ChunkPlan):
+    """k [B, T, H, K], v [B, T, HV, V], w [B, T, HV, K], AiB [B, T, HV, BT] (Ai diag(beta)), gc [B, T, HV],
+    h0 [N, HV, K, V] or None -> h [NT, HV, K, V] (k dtype), vn [B, T, HV, V] fp32, ht [N, HV, K, V] fp32 or None."""
     B, T, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
+    HV, V = v.shape[2], v.shape[3]
     h = torch.empty(plan.NT, HV, K, V, dtype=k.dtype, device=k.device)
     vn = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
     ht = torch.empty(plan.N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -246,8 +253,9 @@ def gdn_state_fwd(k, rk, w, u, gc, h0, output_final_state: bool, plan: ChunkPlan
         _state_grid,
         k=k,
         rk=rk,
+        v=v,
         w=w,
-        u=u,
+        AiB=AiB,
         gc=gc,
         h0=h0,
         h=h,

@@ -4,7 +4,7 @@ tuning, not part of the op; runs on a machine without a GPU).
 `python -m verl_moe.ops.gdn.static_compile KERNEL [NAME=VALUE ...]` compiles `KERNEL` (a name from a
 stage module's `KERNEL_LAUNCHES`) for every config in its list, at Qwen3.5 shapes (H=16, HV=32,
 K=V=128), bf16 inputs with TF32 dots, q/k l2norm on, other flags off unless NAME=VALUE sets them
-(e.g. `STORE_U=True`). Like the JIT, it marks every pointer 16-byte aligned: without that the loads
+(e.g. `USE_H0=True`). Like the JIT, it marks every pointer 16-byte aligned: without that the loads
 are not vectorised and every kernel appears to spill. Reads the cubin with Triton's bundled cuobjdump.
 The device runs its own Triton version, whose register allocation can differ: confirm on the device.
 """
@@ -26,7 +26,7 @@ from . import l2norm, output, solve, state, wy
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "T": 16384, "N": 1}
 # Pointer arguments that hold fp32 data; every other pointer is the bf16 input dtype.
-FP32_POINTERS = set("gc rk rq dgam dgl ht dht h0 dh0 vn u dA_log_tok A_log dt_bias a g".split())
+FP32_POINTERS = set("gc rk rq dgam dgl ht dht h0 dh0 vn dA_log_tok A_log dt_bias a g".split())
 
 
 def _jit_fn(kernel):

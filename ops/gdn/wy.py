@@ -1,7 +1,7 @@
 """WY representation of the chunked gated delta rule, forward and backward.
 
 Forward, per chunk and value head (Ai = (I + A)^-1 from `solve.py`):
-    W = Ai diag(beta exp(G)) K   [BT, K]      U = Ai diag(beta) V   [BT, V], fp32
+    W = Ai diag(beta exp(G)) K   [BT, K]      AiB = Ai diag(beta) [BT, BT], from which the state stage forms U = AiB V
 Backward, given dW and dU (= dv_new) from the state/output stages, through W, U and
 A = diag(beta) (K K^T * exp(G_i - G_j)) (strictly lower) to dk, dv, dbeta and the log-decay,
 then the reverse in-chunk cumsum to dg and, for the in-kernel gate, to da / dA_log.
@@ -16,17 +16,8 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-# WY fwd: BV is the V block of u (the loop over V blocks runs only when u is stored). Run 5 (H200) picked
-# 8 warps, 2 stages with u in one 128-wide block (0.39 ms at B1-T16384, u ~0.28 of it); the 64-wide
-# blocks halve the live u tile. Static sm_90 compile: no config spills.
-W_CONFIGS = [
-    {"BV": 64, "num_warps": 8},
-    {"BV": 128, "num_warps": 8},
-    {"BV": 64, "num_warps": 4},
-    {"BV": 128, "num_warps": 4},
-    {"BV": 64, "num_warps": 4, "num_stages": 1},
-    {"BV": 128, "num_warps": 8, "num_stages": 1},
-]
+# WY fwd (w only). Run 3 (H200): 0.11 ms at B1-T16384.
+W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}, {"num_warps": 4, "num_stages": 1}]
 # WY bwd: BV=64 at 8 warps does not spill (sm_90, Triton 3.9); the others do (4 warps: ~290 B) and are
 # left to the autotuner, as register allocation differs between Triton versions.
 WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV": 64, "num_warps": 4}]
@@ -36,30 +27,27 @@ WY_BWD_CONFIGS = [{"BV": 64, "num_warps": 8}, {"BV": 32, "num_warps": 8}, {"BV":
 def _gdn_wy_fwd_kernel(
     k,
     rk,
-    v,
     beta,
     gc,
     Ai,
     w,
-    u,
+    AiB,
     cu_seqlens,
     chunk_table,
     n_chunks,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
-    STORE_U: tl.constexpr,
+    STORE_AIB: tl.constexpr,
     L2NORM: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """One program per (chunk, value head) tile (1-D grid, looping): w = Ai (beta exp(G) k), written
-    in k's dtype, and when STORE_U u = Ai (beta v) in fp32 (TF32 products on GPUs for 16-bit inputs):
-    a 16-bit u was, after the output's own, the largest rounding in the bf16 output error."""
+    in k's dtype, and when STORE_AIB also AiB = Ai diag(beta) [T, HV, BT] (whole rows, zeros above the
+    diagonal), from which the state stage forms u = AiB v."""
     i_p = tl.program_id(0)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -78,15 +66,10 @@ def _gdn_wy_fwd_kernel(
         b_k = tl.load(k + (t0 * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_kb = (b_k * (b_beta * tl.exp(b_g) * b_r)[:, None]).to(DT)
         b_ai = _gdn_load_ai(Ai + p_t1 * BT, o_t, m_t, False, HV * BT)
-        if STORE_U:
-            for i_v in range(0, tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_tv = m_t[:, None] & (o_v < V)[None, :]
-                o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-                b_vb = tl.load(v + p_t1 * V + o_tv, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]
-                # A copy as the left operand: Ascend's tl.dot may overwrite it, and w reads Ai last.
-                b_u = tl.dot(b_ai.to(tl.float32) + 0.0, b_vb, input_precision=DOT_PREC)
-                tl.store(u + p_t1 * V + o_tv, b_u, mask=m_tv)
+        if STORE_AIB:
+            b_aib = b_ai.to(tl.float32) * b_beta[None, :]  # beta of the columns: a register transpose of [BT]
+            p_aib = AiB + p_t1 * BT + o_t[:, None] * (HV * BT) + o_t[None, :]
+            tl.store(p_aib, b_aib.to(AiB.dtype.element_ty), mask=m_t[:, None])
         b_w = tl.dot(b_ai.to(DT), b_kb, input_precision=DOT_PREC)
         tl.store(w + p_t1 * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
 
@@ -287,13 +270,13 @@ KERNEL_LAUNCHES = {
 }
 
 
-def gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan: ChunkPlan, store_u: bool):
-    """k [B, T, H, K], v [B, T, HV, V], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K]
-    (k dtype) and, when store_u, u [B, T, HV, V] fp32 (else None: the backward needs w alone)."""
+def gdn_wy_fwd(k, rk, beta, gc, Ai, plan: ChunkPlan, store_aib: bool):
+    """k [B, T, H, K], beta/gc [B, T, HV], Ai [B, T, HV, BT] -> w [B, T, HV, K] and, when store_aib,
+    AiB = Ai diag(beta) [B, T, HV, BT] (else None: the backward needs w alone), both in k's dtype."""
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = beta.shape[2]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if store_u else None
+    AiB = torch.empty_like(Ai) if store_aib else None
     if plan.NT > 0:
         launch(
             _gdn_wy_fwd_kernel,
@@ -302,17 +285,16 @@ def gdn_wy_fwd(k, rk, v, beta, gc, Ai, plan: ChunkPlan, store_u: bool):
             _wy_grid,
             k=k,
             rk=rk,
-            v=v,
             beta=beta,
             gc=gc,
             Ai=Ai,
             w=w,
-            u=u,
-            STORE_U=store_u,
-            **plan.tile_args(H, HV, K, V, k.dtype, l2norm=rk is not None),
+            AiB=AiB,
+            STORE_AIB=store_aib,
+            **plan.tile_args(H, HV, K, None, k.dtype, l2norm=rk is not None),
             **_wy_meta({"K": K}),
         )
-    return w, u
+    return w, AiB
 
 
 def gdn_wy_bwd(k, rk, v, beta, gc, Ai, dw, dvn, dk, dgam, dgl, gate, g_dtype, plan: ChunkPlan):

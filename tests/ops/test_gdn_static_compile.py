@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize(
     "kernel,overrides",
-    [("_gdn_state_fwd_kernel", {}), ("_gdn_state_bwd_kernel", {}), ("_gdn_wy_fwd_kernel", {"STORE_U": True})],
+    [("_gdn_state_fwd_kernel", {}), ("_gdn_state_bwd_kernel", {}), ("_gdn_wy_fwd_kernel", {"STORE_AIB": True})],
 )
 def test_kernel_configs_do_not_spill(kernel, overrides):
     # In a fresh process without TRITON_INTERPRET (set for the other tests), so the kernels are JIT functions.

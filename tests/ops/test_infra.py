@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from verl_moe.ops import device, dispatch
+from verl_moe.ops import device, dispatch, varlen
 from verl_moe.ops.testing import assert_rel_rms, rel_rms
 from verl_moe.ops.varlen import check_cu_seqlens, seq_bounds
 
@@ -75,6 +75,29 @@ def test_bad_cu_seqlens_raise(cu, total, message):
 def test_seq_bounds():
     assert seq_bounds(torch.tensor([0, 1, 4]), 4) == [(0, 1), (1, 4)]
     assert seq_bounds(None, 5) == [(0, 5)]
+
+
+def test_offsets_read_once_per_tensor_and_version():
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    class Offsets(torch.Tensor):  # counts device-to-host reads
+        def tolist(self):
+            reads.append(1)
+            return real_tolist(self)
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32).as_subclass(Offsets)
+    assert seq_bounds(cu, 7) == [(0, 3), (3, 7)]
+    check_cu_seqlens(cu, 7)
+    assert len(reads) == 1
+    cu[1] = 5  # an in-place update bumps the version: read again
+    assert seq_bounds(cu, 7) == [(0, 5), (5, 7)]
+    assert len(reads) == 2
+    other = torch.tensor([0, 3, 7], dtype=torch.int32).as_subclass(Offsets)
+    assert varlen.host_values(other) == [0, 3, 7] and len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 2, 7], dtype=torch.int32)
+    assert varlen.host_values(frozen) == [0, 2, 7]
 
 
 def test_rel_rms_catches_nan_and_error():
