@@ -188,17 +188,23 @@ class MoeCausalLM(nn.Module):
 
 
 def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:
-    """Resolve every op the architecture needs, once (dispatch logs each choice)."""
+    """Resolve every op the architecture needs, once (dispatch logs each choice). In an fp64 model (a
+    reference) "auto" means each op's torch code on every device, whatever VERL_MOE_OPS says: the
+    kernels compute in at most fp32 and refuse fp64 inputs."""
     linear = "linear_attention" in arch.layer_types
+
+    def pick(op: str):
+        return resolve(op, ops.impl(op) or ("torch" if dtype == torch.float64 else None))
+
     return ResolvedOps(
-        norm=resolve("norm", ops.impl("norm")),
-        rope=resolve("rope", ops.impl("rope")),
-        attention=resolve("attention", ops.impl("attention")),
-        router=resolve("router"),
-        experts=resolve("experts", ops.impl("experts")),
+        norm=pick("norm"),
+        rope=pick("rope"),
+        attention=pick("attention"),
+        router=resolve("router", "torch" if dtype == torch.float64 else None),
+        experts=pick("experts"),
         router_dtype=ops.router_torch_dtype(dtype),
-        gdn=resolve("gdn", ops.impl("gdn")) if linear else None,
-        conv1d=resolve("conv1d", ops.impl("conv1d")) if linear else None,
+        gdn=pick("gdn") if linear else None,
+        conv1d=pick("conv1d") if linear else None,
     )
 
 
