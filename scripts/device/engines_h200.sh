@@ -2,7 +2,7 @@
 # (GatedDeltaNet on our Triton kernels) through fsdp2 and veomni at world 1 (one GPU: expert
 # parallelism needs 2 ranks) against the fp64 reference, fp32 and bf16; then the model bench.
 # Fifth session: the align part ran (3 steps, four backends, VERL_MOE_DETERMINISTIC=1 so each kernel
-# compiles one config: 95 s on a fresh machine) and was ALIGNED; the model bench ran ours alone (170 s).
+# compiles one config: 95 s on a fresh machine) and was ALIGNED; the model bench ran ours alone (within a 170 s limit).
 # Needs .whl/veomni (scripts/device/fetch_wheels.sh). run(command="bash scripts/device/engines_h200.sh", carry=[".whl"])
 set -o pipefail
 source scripts/device/env.sh

@@ -25,6 +25,7 @@ if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from verl_moe.ops.gdn import chunk_gated_delta_rule as dispatched  # noqa: E402
+from verl_moe.ops.gdn import l2norm, output, solve, state, wy  # noqa: E402
 from verl_moe.ops.gdn import launch as gdn_launch  # noqa: E402
 from verl_moe.ops.gdn.chunk import chunk_gated_delta_rule  # noqa: E402
 from verl_moe.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref  # noqa: E402
@@ -251,6 +252,40 @@ def test_fp32_matches_recurrent(gate, nan_poison):
     # K=96, V=80: non-power-of-two dims, two K blocks in the output backward, several V blocks.
     x = make_inputs(1, 130, 2, 4, 96 if gate == "g" else 16, 80 if gate == "g" else 32, torch.float32, gate)
     check_against_reference(x)
+
+
+def _block_size_variants():
+    """(config list, index) of every config whose block sizes differ from all earlier ones in its list.
+    The interpreter runs a list's first config only; on a GPU the autotuner may pick any of them."""
+    seen, cases = set(), []
+    for module in (l2norm, solve, wy, state, output):
+        for name, spec in module.KERNEL_LAUNCHES.items():
+            configs = spec["configs"]
+            if id(configs) in seen:  # shared by several kernels (the state forward and backward)
+                continue
+            seen.add(id(configs))
+            metas = []
+            for i, config in enumerate(configs):
+                meta = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
+                if meta not in metas:
+                    metas.append(meta)
+                    if i > 0:
+                        cases.append(
+                            pytest.param(configs, i, id=f"{name}-" + "-".join(f"{k}{v}" for k, v in meta.items()))
+                        )
+    return cases
+
+
+@pytest.mark.parametrize("configs,index", _block_size_variants())
+def test_every_block_size_config_matches_recurrent(configs, index, nan_poison):
+    # Swapped to the front, so the interpreter runs it (for both kernels when a list is shared).
+    configs[0], configs[index] = configs[index], configs[0]
+    try:
+        # K=96, V=80 and a 1-token sequence: partial K/V blocks and chunks at every block size.
+        x = make_inputs(1, 130, 2, 4, 96, 80, torch.float32, N=3)
+        check_against_reference(x, cu_seqlens=torch.tensor([0, 1, 66, 130], device=DEV))
+    finally:
+        configs[0], configs[index] = configs[index], configs[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
