@@ -10,8 +10,9 @@ Backward, in reverse, with dh the gradient of the state leaving chunk c:
 State and accumulation in fp32; stored per-chunk states in the input dtype. u and v_new stay fp32: a
 16-bit u, and a 16-bit v_new, were the two largest roundings in the bf16 output error after the
 output's own (measured with fp64 emulation at Qwen3.5 shapes). u is formed here from two loaded 16-bit
-tiles (Ai diag(beta) from `wy.py`, and v): an fp32 u formed elsewhere costs its 4-byte write and read,
-and a u formed here from computed fp32 operands (as in the second session) held the sequential pass up.
+tiles (Ai diag(beta) from `wy.py`, and v), which go to the tensor cores without passing through
+registers: an fp32 u formed by another kernel costs its 4-byte write and read, and a u formed here from
+fp32 operands computed in registers lengthened this sequential pass (0.72 against 0.32 ms at B1-T16384).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, g
 
 # The state kernels run one program per (sequence, value head, V block): at B=1, HV=32, BV=16 fills
 # two programs per H200 multiprocessor, BV=32 one. Static sm_90 compile (Triton 3.9, Qwen3.5 shapes),
-# forward: none spills; 4 warps BV=16/32/64 take 117/161/254 registers, 8 warps BV=32/64 140/201.
+# forward: none spills; 4 warps BV=16/32/64 take 132/168/244 registers (BV=32 at 3 stages 190), 8 warps
+# BV=32/64 155/211. Run 6 (H200) picked BV=32, 4 warps, 3 stages for both directions.
 STATE_CONFIGS = [
     {"BV": 32, "num_warps": 4, "num_stages": 2},
     {"BV": 16, "num_warps": 4, "num_stages": 2},
@@ -98,8 +100,8 @@ def _gdn_state_fwd_kernel(
             b_w = tl.load(p_w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             o_tv = o_t[:, None] * (HV * V) + o_v[None, :]
             p_tv = (t_c * HV + i_hv) * V
-            # u = (Ai diag(beta)) v from two loaded 16-bit tiles, fp32 accumulation: the same
-            # roundings as a u formed elsewhere in fp32, without its fp32 round trip through memory.
+            # u = (Ai diag(beta)) v from two loaded 16-bit tiles, fp32 accumulation: one 16-bit rounding
+            # (of Ai diag(beta), where Ai alone was rounded before) and no fp32 u round trip through memory.
             b_aib = tl.load(
                 AiB + (t_c * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.0
             )
