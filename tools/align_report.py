@@ -36,6 +36,7 @@ REPORT_SCHEMA: dict = {
         "device_name",
         "versions",
         "git_sha",
+        "source_sha",
         "config",
         "model",
         "stream",
@@ -54,6 +55,7 @@ REPORT_SCHEMA: dict = {
         "device_name": {"type": "string"},
         "versions": {"type": "object", "additionalProperties": {"type": ["string", "null"]}},
         "git_sha": {"type": ["string", "null"]},
+        "source_sha": {"type": "string"},
         "config": {"type": "object"},
         "model": {
             "type": "object",

@@ -1,8 +1,10 @@
-"""What every tool report carries (versions, device, git sha) and the rich table renderer."""
+"""What every tool report carries (versions, device, git sha, source hash) and the rich table renderer."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import importlib.util
 import platform
 import subprocess
 import sys
@@ -34,6 +36,26 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
+PACKAGE_PARTS = ("ops", "models", "engines", "tools", "configs")
+
+
+def source_sha(roots: list[Path] | None = None) -> str:
+    """sha256 (16 hex digits) of the package's sources (.py, .yaml), by path relative to each root and
+    content: names the code a report ran where git metadata is missing or stale (a copy of the
+    working tree, as the device machine gets, keeps the git sha of an older sync). roots: default
+    the verl_moe subpackages."""
+    if roots is None:
+        # find_spec locates a subpackage without importing it (engines would import verl)
+        specs = [importlib.util.find_spec(f"verl_moe.{part}") for part in PACKAGE_PARTS]
+        roots = [Path(p) for spec in specs for p in spec.submodule_search_locations]
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+            digest.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def environment() -> dict:
     kind = device.device_type()
     name = platform.processor() or "cpu"
@@ -54,7 +76,7 @@ def environment() -> dict:
     }
     versions["torch"] = torch.__version__
     versions["python"] = platform.python_version()
-    return {"device": kind, "device_name": name, "versions": versions, "git_sha": git_sha()}
+    return {"device": kind, "device_name": name, "versions": versions, "git_sha": git_sha(), "source_sha": source_sha()}
 
 
 def _fmt(value) -> str:

@@ -1,6 +1,7 @@
 """The bench runner: correctness check before timing, per-output errors, ratios, JSON report."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +89,27 @@ def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_pat
     assert [(r["case"], r["mode"], r["provider"]) for r in on_disk] == [
         (r["case"], r["mode"], r["provider"]) for r in seen
     ]
+
+
+def test_source_sha_names_the_code_not_its_location(tmp_path):
+    from verl_moe.tools.report import PACKAGE_PARTS, source_sha
+
+    def tree(base, body):
+        (base / "ops" / "__pycache__").mkdir(parents=True)
+        (base / "ops" / "k.py").write_text(body)
+        (base / "ops" / "__pycache__" / "k.cpython-311.pyc").write_bytes(base.name.encode())
+        (base / "configs").mkdir()
+        (base / "configs" / "c.yaml").write_text("a: 1\n")
+        return [base / "ops", base / "configs"]
+
+    a = tree(tmp_path / "a", "x = 1\n")
+    b = tree(tmp_path / "b", "x = 1\n")
+    c = tree(tmp_path / "c", "x = 2\n")
+    assert source_sha(a) == source_sha(b) != source_sha(c)  # location and bytecode caches do not count
+    (tmp_path / "b" / "ops" / "k.py").rename(tmp_path / "b" / "ops" / "j.py")
+    assert source_sha(b) != source_sha(a)  # file names count
+    import verl_moe.ops
+
+    # the installed package: its subpackages side by side (the editable install maps them from one folder)
+    base = Path(verl_moe.ops.__file__).parent.parent
+    assert source_sha() == source_sha([base / part for part in PACKAGE_PARTS])
