@@ -64,8 +64,7 @@ def chunk_gated_delta_rule_bwd(
     dk_hv, dv, dbeta, dg, dA_log_tok = gdn_wy_bwd(
         k, rk, v, beta, gc, Ai, dw, dvn, dk_hv, dgam, dgl, gate, g_dtype, plan
     )
-    dq = gdn_qk_bwd(dq_hv, q, rq)
-    dk = gdn_qk_bwd(dk_hv, k, rk)
+    dq, dk = gdn_qk_bwd(dq_hv, dk_hv, q, k, rq, rk)
     return dq, dk, dv, dbeta, dg, dh0, dA_log_tok
 
 

@@ -39,12 +39,45 @@ def _gdn_l2norm_fwd_kernel(
         tl.store(rk + o_r, 1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + EPS), mask=o_r < n_rows)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _gdn_qk_bwd_kernel(
+@triton.jit
+def _gdn_qk_rows_bwd(
     dx_hv,
     x,
     rstd,
     dx,
+    o_r,
+    m,
+    o_k,
+    n_rows,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """Rows o_r (masked by m) of one of q / k: the G value-head gradients summed in fp32, then the
+    l2norm backward when the forward normalised."""
+    b_d = tl.zeros([BR, BK], dtype=tl.float32)
+    for i_g in range(0, G):
+        p = (o_r * G + i_g)[:, None] * K + o_k[None, :]
+        b_d += tl.load(dx_hv + p, mask=m, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.0)
+        b_xn = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+        b_d = b_r[:, None] * (b_d - b_xn * tl.sum(b_xn * b_d, 1)[:, None])
+    tl.store(dx + o_r[:, None] * K + o_k[None, :], b_d.to(dx.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gdn_qk_bwd_kernel(
+    dq_hv,
+    q,
+    rq,
+    dq,
+    dk_hv,
+    k,
+    rk,
+    dk,
     n_rows,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -53,22 +86,16 @@ def _gdn_qk_bwd_kernel(
     L2NORM: tl.constexpr,
 ):
     """One program per block of BR q/k rows (token, head) (1-D grid, looping): sums the G value-head
-    gradients dx_hv [rows * G, K] (any float dtype) in fp32 and applies the l2norm backward -> dx [rows, K]."""
+    gradients dq_hv / dk_hv [rows * G, K] (any float dtype) in fp32 and applies the l2norm backward
+    -> dq, dk [rows, K]. q and k in one launch, as in the forward."""
     i_p = tl.program_id(0)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     for i_blk in range(i_p, tl.cdiv(n_rows, BR), tl.num_programs(0)):
         o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
         m = (o_r < n_rows)[:, None] & m_k[None, :]
-        b_d = tl.zeros([BR, BK], dtype=tl.float32)
-        for i_g in range(0, G):
-            p = (o_r * G + i_g)[:, None] * K + o_k[None, :]
-            b_d += tl.load(dx_hv + p, mask=m, other=0.0).to(tl.float32)
-        if L2NORM:
-            b_r = tl.load(rstd + o_r, mask=o_r < n_rows, other=0.0)
-            b_xn = tl.load(x + o_r[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_r[:, None]
-            b_d = b_r[:, None] * (b_d - b_xn * tl.sum(b_xn * b_d, 1)[:, None])
-        tl.store(dx + o_r[:, None] * K + o_k[None, :], b_d.to(dx.dtype.element_ty), mask=m)
+        _gdn_qk_rows_bwd(dq_hv, q, rq, dq, o_r, m, o_k, n_rows, G, K, BR, BK, L2NORM)
+        _gdn_qk_rows_bwd(dk_hv, k, rk, dk, o_r, m, o_k, n_rows, G, K, BR, BK, L2NORM)
 
 
 def _rows_meta(shape: dict) -> dict:
@@ -124,25 +151,29 @@ def gdn_l2norm_fwd(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return rq, rk
 
 
-def gdn_qk_bwd(dx_hv: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor | None) -> torch.Tensor:
-    """dx_hv [B, T, HV, K] gradients of the normalised x per value head (summed in fp32), x [B, T, H, K]
-    raw, rstd [B, T, H] or None (no l2norm) -> dx [B, T, H, K] in x's dtype."""
-    B, T, H, K = x.shape
-    dx = torch.empty_like(x)
-    if dx.numel() > 0:
+def gdn_qk_bwd(dq_hv, dk_hv, q: torch.Tensor, k: torch.Tensor, rq, rk) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq_hv / dk_hv [B, T, HV, K] gradients of the normalised q / k per value head (summed in fp32),
+    q / k [B, T, H, K] raw, rq / rk [B, T, H] or None (no l2norm) -> dq, dk [B, T, H, K] in q's dtype."""
+    B, T, H, K = q.shape
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    if dq.numel() > 0:
         launch(
             _gdn_qk_bwd_kernel,
             QK_BWD_CONFIGS,
             ["G", "K"],
             _rows_grid,
-            dx_hv=dx_hv,
-            x=x,
-            rstd=rstd,
-            dx=dx,
+            dq_hv=dq_hv,
+            q=q,
+            rq=rq,
+            dq=dq,
+            dk_hv=dk_hv,
+            k=k,
+            rk=rk,
+            dk=dk,
             n_rows=B * T * H,
-            G=dx_hv.shape[2] // H,
+            G=dq_hv.shape[2] // H,
             K=K,
-            L2NORM=rstd is not None,
+            L2NORM=rq is not None,
             **_rows_meta({"K": K}),
         )
-    return dx
+    return dq, dk

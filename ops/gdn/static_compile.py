@@ -40,7 +40,7 @@ def _signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("n_seqs", "n_chunks"):
+        elif name in ("n_seqs", "n_chunks", "n_rows"):
             sig[name] = "i32"
         elif name == "scale":
             sig[name] = "fp32"
@@ -83,7 +83,8 @@ def kernel_report(name: str, overrides: dict | None = None) -> list[tuple[dict, 
     for config in spec["configs"]:
         config = dict(config)
         num_warps, num_stages = config.pop("num_warps", 4), config.pop("num_stages", 2)
-        values = {**SHAPE, **spec["meta"](SHAPE), **config, "DT": tl.bfloat16, "DOT_PREC": "tf32", "L2NORM": True}
+        values = {**SHAPE, "G": SHAPE["HV"] // SHAPE["H"], "EPS": 1e-6, **spec["meta"](SHAPE), **config}
+        values.update(DT=tl.bfloat16, DOT_PREC="tf32", L2NORM=True)
         constexprs = {}
         for arg in fn.arg_names:
             if arg in values:
