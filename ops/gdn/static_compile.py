@@ -1,10 +1,10 @@
 """Static sm_90 compile of our GDN kernels: registers, spill and shared memory per config (a tool for
 tuning, not part of the op; runs on a machine without a GPU).
 
-`python -m verl_moe.ops.gdn.static_compile KERNEL [NAME=VALUE ...]` compiles `KERNEL` (a name from a
-stage module's `KERNEL_LAUNCHES`) for every config in its list, at Qwen3.5 shapes (H=16, HV=32,
-K=V=128), bf16 inputs with TF32 dots, q/k l2norm on, other flags off unless NAME=VALUE sets them
-(e.g. `USE_H0=True`). Like the JIT, it marks every pointer 16-byte aligned: without that the loads
+`python -m verl_moe.ops.gdn.static_compile KERNEL [NAME=VALUE ...] [--fp32]` compiles `KERNEL` (a name
+from a stage module's `KERNEL_LAUNCHES`) for every config in its list, at Qwen3.5 shapes (H=16, HV=32,
+K=V=128), bf16 inputs with TF32 dots (--fp32: fp32 inputs, exact dots), q/k l2norm on, other flags
+off unless NAME=VALUE sets them (e.g. `USE_H0=True`). Like the JIT, it marks every pointer 16-byte aligned: without that the loads
 are not vectorised and every kernel appears to spill. Reads the cubin with Triton's bundled cuobjdump.
 The device runs its own Triton version, whose register allocation can differ: confirm on the device.
 """
@@ -35,7 +35,7 @@ def _jit_fn(kernel):
     return kernel
 
 
-def _signature(fn, constexprs: dict) -> dict:
+def _signature(fn, constexprs: dict, fp32: bool = False) -> dict:
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -47,13 +47,14 @@ def _signature(fn, constexprs: dict) -> dict:
         elif name in ("cu_seqlens", "chunk_table", "chunk_offsets"):
             sig[name] = "*i32"
         else:
-            sig[name] = "*fp32" if name in FP32_POINTERS else "*bf16"
+            sig[name] = "*fp32" if fp32 or name in FP32_POINTERS else "*bf16"
     return sig
 
 
-def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """{"regs", "spill_bytes", "smem_kib"} of one sm_90 build of the jit function `fn`."""
-    sig = _signature(fn, constexprs)
+def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int, fp32: bool = False) -> dict:
+    """{"regs", "spill_bytes", "smem_kib"} of one sm_90 build of the jit function `fn` (fp32: every
+    tensor fp32, as for fp32 inputs)."""
+    sig = _signature(fn, constexprs, fp32)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     source = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(
@@ -70,8 +71,11 @@ def resource_usage(fn, constexprs: dict, num_warps: int, num_stages: int) -> dic
     }
 
 
-def kernel_report(name: str, overrides: dict | None = None) -> list[tuple[dict, dict]]:
-    """(config, resource usage) for every config of the launched kernel `name`."""
+def kernel_report(
+    name: str, overrides: dict | None = None, fp32: bool = False, first_only: bool = False
+) -> list[tuple[dict, dict]]:
+    """(config, resource usage) for every config of the launched kernel `name` (first_only: its first,
+    the one fp32 inputs and deterministic mode use); fp32: as built for fp32 inputs (exact "ieee" dots)."""
     for module in (state, output, wy, solve, l2norm):
         spec = getattr(module, "KERNEL_LAUNCHES", {}).get(name)
         if spec:
@@ -80,11 +84,11 @@ def kernel_report(name: str, overrides: dict | None = None) -> list[tuple[dict, 
         raise ValueError(f"{name!r} is not in any GDN stage's KERNEL_LAUNCHES")
     fn = _jit_fn(getattr(module, name))
     rows = []
-    for config in spec["configs"]:
+    for config in spec["configs"][:1] if first_only else spec["configs"]:
         config = dict(config)
         num_warps, num_stages = config.pop("num_warps", 4), config.pop("num_stages", 2)
         values = {**SHAPE, "G": SHAPE["HV"] // SHAPE["H"], "EPS": 1e-6, **spec["meta"](SHAPE), **config}
-        values.update(DT=tl.bfloat16, DOT_PREC="tf32", L2NORM=True)
+        values.update(DT=tl.float32 if fp32 else tl.bfloat16, DOT_PREC="ieee" if fp32 else "tf32", L2NORM=True)
         constexprs = {}
         for arg in fn.arg_names:
             if arg in values:
@@ -92,7 +96,7 @@ def kernel_report(name: str, overrides: dict | None = None) -> list[tuple[dict, 
             elif arg.isupper():  # the remaining constexpr flags: off
                 constexprs[arg] = False
         constexprs.update(overrides or {})
-        usage = resource_usage(fn, constexprs, num_warps, num_stages)
+        usage = resource_usage(fn, constexprs, num_warps, num_stages, fp32)
         rows.append(({**config, "num_warps": num_warps, "num_stages": num_stages}, usage))
     return rows
 
@@ -100,7 +104,9 @@ def kernel_report(name: str, overrides: dict | None = None) -> list[tuple[dict, 
 if __name__ == "__main__":
     overrides = {}
     for arg in sys.argv[2:]:
+        if arg == "--fp32":
+            continue
         key, value = arg.split("=")
         overrides[key] = int(value) if value.isdigit() else value == "True"
-    for config, usage in kernel_report(sys.argv[1], overrides):
+    for config, usage in kernel_report(sys.argv[1], overrides, fp32="--fp32" in sys.argv[2:]):
         print(sys.argv[1], config, usage, flush=True)
