@@ -193,14 +193,16 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
     kernels compute in at most fp32 and refuse fp64 inputs."""
     linear = "linear_attention" in arch.layer_types
 
+    auto = "torch" if dtype == torch.float64 else None
+
     def pick(op: str):
-        return resolve(op, ops.impl(op) or ("torch" if dtype == torch.float64 else None))
+        return resolve(op, ops.impl(op) or auto)
 
     return ResolvedOps(
         norm=pick("norm"),
         rope=pick("rope"),
         attention=pick("attention"),
-        router=resolve("router", "torch" if dtype == torch.float64 else None),
+        router=resolve("router", auto),
         experts=pick("experts"),
         router_dtype=ops.router_torch_dtype(dtype),
         gdn=pick("gdn") if linear else None,

@@ -4,8 +4,8 @@ tuning, not part of the op; runs on a machine without a GPU).
 `python -m verl_moe.ops.gdn.static_compile KERNEL [NAME=VALUE ...] [--fp32]` compiles `KERNEL` (a name
 from a stage module's `KERNEL_LAUNCHES`) for every config in its list, at Qwen3.5 shapes (H=16, HV=32,
 K=V=128), bf16 inputs with TF32 dots (--fp32: fp32 inputs, exact dots), q/k l2norm on, other flags
-off unless NAME=VALUE sets them (e.g. `USE_H0=True`). Like the JIT, it marks every pointer 16-byte aligned: without that the loads
-are not vectorised and every kernel appears to spill. Reads the cubin with Triton's bundled cuobjdump.
+off unless NAME=VALUE sets them (e.g. `USE_H0=True`). Like the JIT, it marks every pointer 16-byte
+aligned: without that the loads are not vectorised and every kernel appears to spill. Reads the cubin with Triton's bundled cuobjdump.
 The device runs its own Triton version, whose register allocation can differ: confirm on the device.
 """
 

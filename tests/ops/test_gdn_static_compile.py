@@ -20,18 +20,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _report(kernel: str, overrides: dict, **options) -> list:
-    # In a fresh process without TRITON_INTERPRET (set for the other tests), so the kernels are JIT functions.
+def _kernel_report(expr: str):
+    """The JSON value of `expr` (an expression over static_compile's `kernel_report`), evaluated in a fresh
+    process without TRITON_INTERPRET (set for the other tests), so the kernels are JIT functions."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import json; from verl_moe.ops.gdn.static_compile import kernel_report; "
-        f"print(json.dumps(kernel_report({kernel!r}, {overrides!r}, **{options!r})))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    code = f"import json; from verl_moe.ops.gdn.static_compile import kernel_report; print(json.dumps({expr}))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert rows
-    return rows
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
@@ -39,7 +35,8 @@ def _report(kernel: str, overrides: dict, **options) -> list:
     [("_gdn_state_fwd_kernel", {}), ("_gdn_state_bwd_kernel", {}), ("_gdn_wy_fwd_kernel", {"STORE_AIB": True})],
 )
 def test_kernel_configs_do_not_spill(kernel, overrides):
-    rows = _report(kernel, overrides)
+    rows = _kernel_report(f"kernel_report({kernel!r}, {overrides!r})")
+    assert rows
     spilling = [(config, usage) for config, usage in rows if usage["spill_bytes"] > 0]
     assert not spilling, f"{kernel} spills at sm_90: {spilling}"
     for _, usage in rows:
@@ -53,14 +50,7 @@ def test_first_configs_fit_shared_memory_in_fp32():
     from verl_moe.ops.gdn import l2norm, output, solve, state, wy
 
     names = [name for module in (l2norm, solve, wy, state, output) for name in module.KERNEL_LAUNCHES]
-    code = (
-        "import json; from verl_moe.ops.gdn.static_compile import kernel_report; "
-        f"print(json.dumps({{n: kernel_report(n, fp32=True, first_only=True)[0] for n in {names!r}}}))"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    first = json.loads(done.stdout.strip().splitlines()[-1])
+    first = _kernel_report(f"{{n: kernel_report(n, fp32=True, first_only=True)[0] for n in {names!r}}}")
     assert set(first) == set(names)
     too_big = {n: row for n, row in first.items() if row[1]["smem_kib"] > 227}
     assert not too_big, f"first configs over sm_90 shared memory in fp32: {too_big}"
