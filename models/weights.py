@@ -8,7 +8,10 @@ On disk (local HF folder: config.json + *.safetensors, one file or sharded with 
   along rows.
 - Qwen3.5 vision-language checkpoints prefix the text model with `model.language_model.`; it is
   renamed to `model.`, and `model.visual.*` / `mtp.*` tensors are skipped (one log line).
-Loading is strict: a missing, unexpected or mis-shaped tensor raises ValueError.
+Loading is strict: a missing, unexpected, mis-shaped or twice-stored tensor, or an unreadable
+file, raises ValueError naming it. Files are picked as transformers picks them in a local folder:
+`model.safetensors` when present, else `model.safetensors.index.json` and the shards it names.
+A save first removes the folder's earlier weight files, so a re-save never leaves stale shards.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -37,19 +40,38 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>g
 _FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Every weight file a transformers (or our) save may have left: removed before our save writes its own.
+STALE_WEIGHT_PATTERNS = ("*.safetensors", INDEX_FILE, "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a local HF folder (from the index when there is one)."""
+    """The safetensors files of a local HF folder, chosen as transformers chooses them: the single
+    `model.safetensors` when it exists (an index beside it is ignored), else the shards that
+    `model.safetensors.index.json` names.
+
+    Raises:
+        FileNotFoundError: `path` is not a folder, holds neither file, or its index names a missing shard.
+        ValueError: the index is not valid JSON with a `weight_map`.
+    """
     root = Path(path)
-    if (root / INDEX_FILE).is_file():
-        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
+    if not root.is_dir():
+        raise FileNotFoundError(f"model folder {root} does not exist")
     if (root / SINGLE_FILE).is_file():
         return [root / SINGLE_FILE]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors under {root}")
+    index = root / INDEX_FILE
+    if not index.is_file():
+        torch_files = sorted(p.name for p in root.glob("pytorch_model*.bin"))
+        found = f" (found {torch_files}: only safetensors are read)" if torch_files else ""
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}{found}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
+    files = [root / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file.name}, named in {index}, does not exist")
     return files
 
 
@@ -80,6 +102,8 @@ def load_checkpoint(model: MoeCausalLM, path: str | os.PathLike) -> None:
         if name not in expected:
             unexpected.append(name)
             return
+        if name in loaded:  # fused and per-expert copies of one layer's experts
+            raise ValueError(f"{name} is stored twice in checkpoint {path} (fused and per expert)")
         param = params[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
@@ -87,23 +111,33 @@ def load_checkpoint(model: MoeCausalLM, path: str | os.PathLike) -> None:
             param.copy_(tensor)
         loaded.add(name)
 
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _normalise_key(key, model.spec)
-                if name is None or (tied and name == "lm_head.weight"):
-                    # A tied lm_head is embed_tokens; some checkpoints store the copy anyway.
-                    skipped.append(key)
-                    continue
-                m = _PER_EXPERT.match(name)
-                if m is None:
-                    copy_into(name, f.get_tensor(key))
-                    continue
-                per_proj = pending.setdefault(m["prefix"], {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
-                per_proj[m["proj"]][int(m["e"])] = f.get_tensor(key)
-                # Merge a layer as soon as it is complete, so at most one layer of experts waits in memory.
-                if all(len(per_proj[p]) == num_experts for p in per_proj):
-                    _merge_experts(m["prefix"], pending.pop(m["prefix"]), num_experts, copy_into)
+    origin: dict[str, tuple[str, Path]] = {}  # model name -> (checkpoint key, file) it was read from
+    for file, key, read in _checkpoint_tensors(path):
+        name = _normalise_key(key, model.spec)
+        if name is None:
+            skipped.append(key)
+            continue
+        if name in origin:
+            first_key, first_file = origin[name]
+            raise ValueError(f"{name} is stored twice: as {first_key} in {first_file} and as {key} in {file}")
+        origin[name] = (key, file)
+        if tied and name == "lm_head.weight":
+            # A tied lm_head is embed_tokens; some checkpoints store the copy anyway.
+            skipped.append(key)
+            continue
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            copy_into(name, read())
+            continue
+        tensor = read()
+        want = _per_expert_shape(params, m["prefix"], m["proj"])
+        if want is not None and tuple(tensor.shape) != want:
+            raise ValueError(f"{key} in {file}: shape {tuple(tensor.shape)}, expected {want}")
+        per_proj = pending.setdefault(m["prefix"], {"gate_proj": {}, "up_proj": {}, "down_proj": {}})
+        per_proj[m["proj"]][int(m["e"])] = tensor
+        # Merge a layer as soon as it is complete, so at most one layer of experts waits in memory.
+        if all(len(per_proj[p]) == num_experts for p in per_proj):
+            _merge_experts(m["prefix"], pending.pop(m["prefix"]), num_experts, copy_into)
     if pending:
         counts = {prefix: {p: len(v) for p, v in projs.items()} for prefix, projs in pending.items()}
         raise ValueError(f"incomplete per-expert tensors (expected {num_experts} of each): {counts}")
@@ -122,6 +156,36 @@ def load_checkpoint(model: MoeCausalLM, path: str | os.PathLike) -> None:
         )
 
 
+def _checkpoint_tensors(path) -> Iterator[tuple[Path, str, Callable[[], torch.Tensor]]]:
+    """(file, key, read) for every tensor of the folder's checkpoint files; `read()` loads it on the
+    CPU. A file safetensors cannot parse (truncated, damaged) raises ValueError naming it."""
+    for file in checkpoint_files(path):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: unreadable safetensors file, truncated or damaged? ({e})") from None
+        with handle as f:
+            for key in f.keys():
+
+                def read(key=key, f=f, file=file) -> torch.Tensor:
+                    try:
+                        return f.get_tensor(key)
+                    except SafetensorError as e:
+                        raise ValueError(f"{file}: cannot read tensor {key} ({e})") from None
+
+                yield file, key, read
+
+
+def _per_expert_shape(params: dict, prefix: str, proj: str) -> tuple[int, int] | None:
+    """The [rows, cols] one expert's `proj` must have, from the model's fused tensor (None when the
+    model has no such layer: the name is then reported as unexpected)."""
+    if proj == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")  # [E, D, I]
+        return None if fused is None else tuple(fused.shape[1:])
+    fused = params.get(f"{prefix}.gate_up_proj")  # [E, 2I, D]
+    return None if fused is None else (fused.shape[1] // 2, fused.shape[2])
+
+
 def _merge_experts(prefix: str, projs: dict[str, dict[int, torch.Tensor]], num_experts: int, copy_into) -> None:
     if any(sorted(projs[p]) != list(range(num_experts)) for p in projs):
         raise ValueError(f"{prefix}: expert ids must be 0..{num_experts - 1}")
@@ -138,11 +202,22 @@ def from_pretrained(
     ops: OpsConfig | None = None,
 ) -> MoeCausalLM:
     """Build the model of a local HF folder and load its weights (strict; see module docstring).
-    Parameters are allocated once on `device` (no random init of what the checkpoint overwrites)."""
+    Parameters are allocated once on `device` (no random init of what the checkpoint overwrites).
+
+    Raises:
+        FileNotFoundError: `path` is not a folder, or lacks config.json or weight files.
+        ValueError: see `load_checkpoint`; an unsupported config or op choice (see `build`).
+    """
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(str(path))
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model folder {root} does not exist")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model folder {root}")
+    hf_config = AutoConfig.from_pretrained(str(root))
     model = build(hf_config, dtype=dtype, device="meta", ops=ops)
+    checkpoint_files(root)  # a folder without weights fails before any allocation
     model.to_empty(device=torch.device(device))
     if model.arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -188,9 +263,13 @@ def save_pretrained(model: MoeCausalLM, path: str | os.PathLike, max_shard_bytes
     config is saved as its text part, model_type `qwen3_5_moe_text`) and safetensors (sharded with an
     index above `max_shard_bytes`) that transformers' `from_pretrained` loads into an identical model.
     Experts are written per expert (the layout of real checkpoints and of transformers' own save);
-    a tied lm_head is not written."""
+    a tied lm_head is not written. Weight files already in the folder (safetensors, their index,
+    pytorch_model*.bin) are removed first: left beside the new ones they could be loaded instead."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
+    for pattern in STALE_WEIGHT_PATTERNS:
+        for stale in root.glob(pattern):
+            stale.unlink()
     config = copy.deepcopy(model.config)
     config.dtype = next(model.parameters()).dtype
     # verl's HFModelConfig (and transformers' AutoModel) pick the class from `architectures`.

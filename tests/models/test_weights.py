@@ -2,6 +2,7 @@
 sharding, strictness, and the vLLM names for weight sync. Equalities here are bit-exact."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -139,3 +140,111 @@ def test_tied_checkpoint_with_lm_head_copy_loads(tmp_path):
     loaded = vm.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert_same_state(loaded.state_dict(), model.state_dict())
+
+
+def weight_files(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != "config.json")
+
+
+@pytest.mark.parametrize("first_shard_bytes, second_shard_bytes", [(64 * 1024, None), (None, 64 * 1024)])
+def test_resave_replaces_every_old_weight_file(tmp_path, first_shard_bytes, second_shard_bytes):
+    """A save over an earlier sharded (or single-file) save and a stray pytorch_model.bin leaves only
+    the new files; we and transformers both load the new weights."""
+
+    def save(model, shard_bytes):
+        vm.save_pretrained(model, tmp_path, **({} if shard_bytes is None else {"max_shard_bytes": shard_bytes}))
+
+    old, new = vm.build(tiny_qwen3_moe()), vm.build(tiny_qwen3_moe())
+    save(old, first_shard_bytes)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    save(new, second_shard_bytes)
+    files = weight_files(tmp_path)
+    if second_shard_bytes is None:
+        assert files == ["model.safetensors"]
+    else:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert files == sorted({*index["weight_map"].values(), "model.safetensors.index.json"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_same_state(hf.state_dict(), new.state_dict())
+    assert_same_state(vm.from_pretrained(tmp_path).state_dict(), new.state_dict())
+
+
+def test_single_file_beside_stale_index_loads_like_transformers(tmp_path):
+    """A folder holding model.safetensors and an index with its shards (written by another tool):
+    transformers reads the single file; so do we."""
+    old, new = vm.build(tiny_qwen3_moe()), vm.build(tiny_qwen3_moe())
+    vm.save_pretrained(old, tmp_path, max_shard_bytes=64 * 1024)
+    vm.save_pretrained(new, tmp_path / "single")
+    (tmp_path / "single" / "model.safetensors").rename(tmp_path / "model.safetensors")
+    assert "model.safetensors.index.json" in weight_files(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_same_state(hf.state_dict(), new.state_dict())
+    assert_same_state(vm.from_pretrained(tmp_path).state_dict(), new.state_dict())
+
+
+def test_one_key_in_two_files_raises(tmp_path):
+    model = vm.build(tiny_qwen3_moe())
+    vm.save_pretrained(model, tmp_path, max_shard_bytes=64 * 1024)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    first = index["weight_map"]["model.norm.weight"]
+    save_file({"model.norm.weight": torch.zeros(64)}, str(tmp_path / "extra.safetensors"))
+    index["weight_map"]["extra.marker"] = "extra.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"model\.norm\.weight.*({first}.*extra|extra.*{first})"):
+        vm.from_pretrained(tmp_path)
+
+
+def test_index_naming_a_missing_shard_raises(tmp_path):
+    vm.save_pretrained(vm.build(tiny_qwen3_moe()), tmp_path, max_shard_bytes=64 * 1024)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        vm.from_pretrained(tmp_path)
+
+
+def test_missing_folder_config_or_weights_name_the_path(tmp_path):
+    missing = tmp_path / "no" / "such" / "model"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        vm.from_pretrained(missing)
+    tiny_qwen3_moe().save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"model\.safetensors.*{tmp_path}"):
+        vm.from_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"config\.json.*{tmp_path}"):
+        vm.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0, 7, 0.5, -1])
+def test_truncated_safetensors_names_the_file(tmp_path, keep):
+    vm.save_pretrained(vm.build(tiny_qwen3_moe()), tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep % len(data)])
+    with pytest.raises(ValueError, match=rf"{file}"):
+        vm.from_pretrained(tmp_path)
+
+
+def test_per_expert_tensor_of_wrong_shape_is_named(tmp_path):
+    model = vm.build(tiny_qwen3_moe())
+    vm.save_pretrained(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    key = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    expected = tuple(state[key].shape)
+    state[key] = torch.zeros(expected[0] + 1, expected[1])
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{re.escape(key)}.*\({expected[0]}, {expected[1]}\)"):
+        vm.from_pretrained(tmp_path)
+
+
+def test_fused_and_per_expert_copies_of_one_tensor_raise(tmp_path):
+    """A checkpoint holding a layer's experts both fused and per expert: refused, not last-wins."""
+    model = vm.build(tiny_qwen3_moe())
+    vm.save_pretrained(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    state["model.layers.0.mlp.experts.down_proj"] = model.model.layers[0].mlp.experts.down_proj.detach().clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj"):
+        vm.from_pretrained(tmp_path)
