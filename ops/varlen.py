@@ -6,23 +6,35 @@ import weakref
 
 import torch
 
-# id(tensor) -> (weak reference, version counter, values) of the offsets tensors read so far
+# id(tensor) -> (weak reference, (version, data_ptr), values) of the device offsets read so far
 _HOST_VALUES: dict[int, tuple] = {}
 
 
+def _read_is_costly(cu_seqlens: torch.Tensor) -> bool:
+    """A device tensor's read is a device-to-host copy that waits for all queued device work; a CPU
+    tensor's is a plain list conversion."""
+    return cu_seqlens.device.type != "cpu"
+
+
 def host_values(cu_seqlens: torch.Tensor) -> list[int]:
-    """`cu_seqlens.tolist()`, read from the device once per tensor object and version: one packed batch's
-    offsets reach every layer's ops and the model's own check, and each read is a device-to-host copy
-    that waits for all queued device work."""
-    if cu_seqlens.is_inference():  # no version counter to tell an in-place update
+    """`cu_seqlens.tolist()`: always the tensor's current content.
+
+    CPU offsets are read on every call: their memory can change without torch seeing it (a numpy
+    array behind `torch.from_numpy` rewritten in place keeps the version counter). Device offsets
+    are read once per tensor object, version and storage: one packed batch's offsets reach every
+    layer's ops and the model's own check, and each read waits for all queued device work. On a
+    device only torch ops write (each bumps the version); a write that bypasses the version
+    counter (through `.data`, or a kernel handed the raw pointer) is not seen."""
+    if not _read_is_costly(cu_seqlens) or cu_seqlens.is_inference():  # inference: no version counter
         return cu_seqlens.tolist()
+    stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
     seen = _HOST_VALUES.get(id(cu_seqlens))
-    if seen is not None and seen[0]() is cu_seqlens and seen[1] == cu_seqlens._version:
+    if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
         return seen[2]
     values = cu_seqlens.tolist()
     if len(_HOST_VALUES) >= 64:
         _HOST_VALUES.clear()
-    _HOST_VALUES[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, values)
+    _HOST_VALUES[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
     return values
 
 

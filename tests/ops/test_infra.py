@@ -1,5 +1,6 @@
 """Device layer, dispatch and varlen checks."""
 
+import numpy as np
 import pytest
 import torch
 from verl_moe.ops import device, dispatch, varlen
@@ -77,7 +78,9 @@ def test_seq_bounds():
     assert seq_bounds(None, 5) == [(0, 5)]
 
 
-def test_offsets_read_once_per_tensor_and_version():
+def test_device_offsets_read_once_per_tensor_and_version(monkeypatch):
+    """Offsets on a device are read to the host once per tensor object and version (CPU CI: a CPU
+    tensor stands in for one by declaring its reads costly)."""
     reads = []
     real_tolist = torch.Tensor.tolist
 
@@ -86,6 +89,7 @@ def test_offsets_read_once_per_tensor_and_version():
             reads.append(1)
             return real_tolist(self)
 
+    monkeypatch.setattr(varlen, "_read_is_costly", lambda t: True)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32).as_subclass(Offsets)
     assert seq_bounds(cu, 7) == [(0, 3), (3, 7)]
     check_cu_seqlens(cu, 7)
@@ -98,6 +102,24 @@ def test_offsets_read_once_per_tensor_and_version():
     with torch.inference_mode():
         frozen = torch.tensor([0, 2, 7], dtype=torch.int32)
     assert varlen.host_values(frozen) == [0, 2, 7]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_offsets_follow_writes_that_keep_the_version(dtype):
+    """A numpy-backed buffer rewritten through numpy keeps its torch version counter: the offsets
+    read afterwards are its current content, and an invalid rewrite is refused."""
+    buffer = np.array([0, 3, 10], dtype=dtype)
+    cu = torch.from_numpy(buffer)
+    assert seq_bounds(cu, 10) == [(0, 3), (3, 10)]
+    check_cu_seqlens(cu, 10)
+    version = cu._version
+    buffer[1] = 5
+    assert cu._version == version
+    assert varlen.host_values(cu) == buffer.tolist()
+    assert seq_bounds(cu, 10) == [(0, 5), (5, 10)]
+    buffer[2] = 99
+    with pytest.raises(ValueError, match="ends at 99"):
+        check_cu_seqlens(cu, 10)
 
 
 def test_rel_rms_catches_nan_and_error():
