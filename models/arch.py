@@ -34,7 +34,8 @@ class ArchConfig:
         intermediate_size: width of dense MLP layers (0 when every layer is MoE).
         tie_word_embeddings: lm_head shares embed_tokens' weight.
         initializer_range: std of the normal init of fresh weights.
-        pad_token_id: embedding row that gets no gradient (transformers' `padding_idx`), or None.
+        pad_token_id: embedding row that gets no gradient (transformers' `padding_idx`), in
+            [0, vocab_size) (transformers' own rule), or None.
     """
 
     vocab_size: int
@@ -78,6 +79,10 @@ class ArchConfig:
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id={self.pad_token_id} must be None or a token id in [0, vocab_size={self.vocab_size})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "

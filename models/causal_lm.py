@@ -8,6 +8,7 @@ post_attention_layernorm, mlp}`, `model.norm`, `lm_head`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -231,7 +232,10 @@ def init_weights(model: MoeCausalLM) -> None:
 
 
 def build(
-    hf_config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", ops: OpsConfig | None = None
+    hf_config,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: OpsConfig | Mapping | None = None,
 ) -> MoeCausalLM:
     """A freshly initialised MoeCausalLM for an HF config.
 
@@ -239,16 +243,19 @@ def build(
         hf_config: a transformers config of a supported model_type (`qwen3_5_moe_text`,
             `qwen3_5_moe` (its text part), `qwen3_moe`).
         dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
-        ops: implementation choices; default OpsConfig() (auto everywhere, fp32 router).
+        ops: implementation choices: an OpsConfig, a mapping of its fields (a Hydra config's
+            dict), or None for OpsConfig() (auto everywhere, fp32 router).
     Raises:
-        ValueError: unsupported model_type, invalid or unsupported config, unknown op implementation.
+        ValueError: unsupported model_type, invalid or unsupported config, unknown op implementation
+            or `ops` key.
+        TypeError: `ops` is neither an OpsConfig, a mapping nor None.
     """
     spec = get_spec(hf_config.model_type)
     text_config = spec.text_config(hf_config)
     arch = spec.arch_config(text_config)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be floating point, got {dtype}")
-    resolved = resolve_ops(ops or OpsConfig(), arch, dtype)
+    resolved = resolve_ops(OpsConfig.coerce(ops), arch, dtype)
     model = MoeCausalLM(text_config, spec, arch, resolved, {"dtype": dtype, "device": torch.device(device)})
     init_weights(model)
     return model

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+# `_target_` values a Hydra mapping of this config may carry (configs/engine/*.yaml name the first)
+_TARGETS = ("verl_moe.models.OpsConfig", "verl_moe.models.ops_config.OpsConfig")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,32 @@ class OpsConfig:
         if self.router_dtype not in (*ROUTER_DTYPES, "model"):
             choices = ", ".join([*ROUTER_DTYPES, "model"])
             raise ValueError(f"OpsConfig.router_dtype must be one of {choices}; got {self.router_dtype!r}")
+
+    @classmethod
+    def coerce(cls, value: OpsConfig | Mapping | None) -> OpsConfig:
+        """`value` as an OpsConfig: itself, the defaults for None, or the fields of a mapping (a dict,
+        or the DictConfig a Hydra config gives, whose `_target_` may name this class).
+
+        Raises:
+            ValueError: a mapping key that is no field (the valid ones are listed), another `_target_`,
+                or a bad field value.
+            TypeError: anything else.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"ops must be an OpsConfig or a mapping of its fields, got {type(value).__name__}")
+        values = dict(value)
+        target = values.pop("_target_", _TARGETS[0])
+        if target not in _TARGETS:
+            raise ValueError(f"ops: _target_ {target!r} is not {_TARGETS[0]}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(map(str, set(values) - set(valid)))
+        if unknown:
+            raise ValueError(f"ops: unknown key(s) {unknown}; valid: {valid}")
+        return cls(**values)
 
     def impl(self, op: str) -> str | None:
         """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto")."""

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -199,7 +199,7 @@ def from_pretrained(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    ops: OpsConfig | None = None,
+    ops: OpsConfig | Mapping | None = None,
 ) -> MoeCausalLM:
     """Build the model of a local HF folder and load its weights (strict; see module docstring).
     Parameters are allocated once on `device` (no random init of what the checkpoint overwrites).
