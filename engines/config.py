@@ -101,9 +101,10 @@ def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> Engin
 
 
 def ops_config(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> OpsConfig:
-    """The ops of our configs, or the defaults for a plain verl config."""
+    """The ops of our configs (a mapping from YAML becomes an OpsConfig, unknown keys a ValueError), or
+    the defaults for a plain verl config."""
     if isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig):
-        return engine_config.ops
+        return OpsConfig.coerce(engine_config.ops)
     return OpsConfig()
 
 
@@ -141,6 +142,7 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
             f"unknown strategy {engine_config.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}"
         )
     arch = arch_config(model_config.hf_config)
+    ops_config(engine_config)  # a bad ops key fails here, not at initialize
     layout = engine_layout(engine_config)
     sp = layout.sequence_parallel_size
     if sp < 1 or world_size % sp:

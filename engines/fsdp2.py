@@ -25,6 +25,7 @@ Data path, loss call, micro-batching and metrics are `engines/core.py`; checkpoi
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Generator
@@ -134,7 +135,7 @@ class MoeFsdp2Engine(BaseEngine):
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", ops=ops)
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
-        module = core.LogProbModel(model, logprobs_and_entropy)
+        module = core.LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
         self._shard(module)
         module.to_empty(device=self.device)
         full_state = {}

@@ -203,7 +203,7 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
         norm=pick("norm"),
         rope=pick("rope"),
         attention=pick("attention"),
-        router=resolve("router", auto),
+        router=pick("router"),
         experts=pick("experts"),
         router_dtype=ops.router_torch_dtype(dtype),
         gdn=pick("gdn") if linear else None,

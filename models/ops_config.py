@@ -17,7 +17,7 @@ class OpsConfig:
     """Implementation per op, and the router's compute dtype.
 
     Attributes:
-        gdn, norm, rope, conv1d, attention, experts: an implementation name from the op's
+        gdn, norm, rope, conv1d, attention, router, experts, logprob: an implementation name from the op's
             `IMPLS` (e.g. "torch", "triton", "fla"), or "auto" for `verl_moe.ops.resolve`'s default
             (VERL_MOE_OPS, else triton on cuda/npu when the op has a kernel, else torch).
         router_dtype: "fp32" (default), "fp64", "bf16" (for ablations), or "model". transformers computes the router
@@ -31,7 +31,9 @@ class OpsConfig:
     rope: str = "auto"
     conv1d: str = "auto"
     attention: str = "auto"
+    router: str = "auto"
     experts: str = "auto"
+    logprob: str = "auto"
     router_dtype: str = "fp32"
 
     def __post_init__(self):

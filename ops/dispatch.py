@@ -53,9 +53,11 @@ def _unrunnable_reason(impl: str) -> str | None:
     return None
 
 
-@functools.cache
 def resolve(op: str, impl: str | None = None) -> Callable:
-    """Return the callable implementing `op` (e.g. "gdn", "norm", "logprob")."""
+    """Return the callable implementing `op` (e.g. "gdn", "norm", "logprob").
+
+    The choice is made on every call (so a changed `VERL_MOE_OPS` takes effect); importing and
+    logging happen once per (op, implementation)."""
     package = importlib.import_module(f"verl_moe.ops.{op}")
     impls: dict[str, str] = package.IMPLS
     name = impl or _env_choice(op)
@@ -68,7 +70,12 @@ def resolve(op: str, impl: str | None = None) -> Callable:
     reason = _unrunnable_reason(name)
     if reason is not None:
         raise ValueError(f"op {op!r} implementation {name!r} cannot run here: {reason}")
-    module_name, _, attr = impls[name].partition(":")
+    return _load(op, impls[name], name)
+
+
+@functools.cache
+def _load(op: str, target: str, name: str) -> Callable:
+    module_name, _, attr = target.partition(":")
     fn = getattr(importlib.import_module(module_name), attr)
-    logger.info("verl_moe op %s -> %s (%s)", op, name, impls[name])
+    logger.info("verl_moe op %s -> %s (%s)", op, name, target)
     return fn

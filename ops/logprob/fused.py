@@ -14,24 +14,18 @@ is loaded directly as [BK, BV]), guards on constexprs only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..common.launch import grid_1d, interpreting, launch
 from .chunked import LogprobCall, backward_over_vocab, finish_stats, merge_stats
-
-# Decided when the kernels are decorated: under the interpreter they are InterpretedFunctions and
-# the autotuner (which benchmarks through a GPU driver) cannot run, so the first config is used.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 FWD_BM, FWD_BV, FWD_BK = 128, 128, 64
 BWD_BM, BWD_BV, BWD_BK = 128, 128, 64
 # GROUP_M token tiles walk the vocabulary together so their hidden tiles stay in L2 while the
 # weight blocks stream through it once per group.
 GROUP_M = 8
-MAX_GRID = 65535
 # Forward work items (token tile x vocab split) to aim for: ~15 waves of 132 SMs keeps the tail
 # short, while a split still spans ~100 vocab blocks of the 248k vocabulary at N=16k.
 FWD_TARGET_ITEMS = 2048
@@ -122,7 +116,7 @@ def _logprob_fwd_kernel(
 
     Streams the split's blocks through an online log-sum-exp and stores the split's per-token
     (max, sum exp(z - max), sum exp(z - max) * (z - max)) at [split, token], and z[label] for tokens
-    whose label lies in the split. Grid: (min(items, MAX_GRID),), programs stride over items.
+    whose label lies in the split. Grid: grid_1d(items), programs stride over items.
     """
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -198,7 +192,7 @@ def _logprob_bwd_dlogits_kernel(
     """One tile: BM tokens x BV columns of the chunk [v_lo, v_lo + width).
 
     Recomputes z = h @ w.T / T, then dz = (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T with
-    p = exp(z - lse), stored in dz's dtype at dz[token, col - v_lo]. Grid: (min(tiles, MAX_GRID),).
+    p = exp(z - lse), stored in dz's dtype at dz[token, col - v_lo]. Grid: grid_1d(tiles).
     """
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -231,14 +225,6 @@ def _logprob_bwd_dlogits_kernel(
         tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=m_m[:, None] & m_c[None, :])
 
 
-def _autotuned(kernel, configs, key):
-    return triton.autotune([triton.Config({}, **c) for c in configs], key=key)(kernel)
-
-
-_logprob_fwd_tuned = _autotuned(_logprob_fwd_kernel, FWD_CONFIGS, ["D", "ENTROPY"])
-_logprob_bwd_dlogits_tuned = _autotuned(_logprob_bwd_dlogits_kernel, BWD_CONFIGS, ["D", "HAS_GLP", "HAS_GENT"])
-
-
 def _fwd_plan(n: int, vocab: int) -> tuple[int, int, int]:
     """(token tiles, vocab splits, blocks per split): about FWD_TARGET_ITEMS items, no empty split."""
     num_m, num_vb = max(triton.cdiv(n, FWD_BM), 1), triton.cdiv(vocab, FWD_BV)
@@ -256,7 +242,7 @@ def _bwd_runtime(shape: dict) -> dict:
 
 
 def _grid(meta: dict) -> tuple[int]:
-    return (max(1, min(meta["n_tiles"], MAX_GRID)),)
+    return grid_1d(meta["n_tiles"])
 
 
 KERNEL_LAUNCHES = {
@@ -278,7 +264,7 @@ KERNEL_LAUNCHES = {
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    if _INTERPRET and dtype == torch.bfloat16:
+    if interpreting() and dtype == torch.bfloat16:
         return "upcast"
     # fp32 inputs must not silently drop to TF32 (1e-3 relative): the fp32 tolerance is 2e-5
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -294,11 +280,12 @@ def logprob_fwd(hidden, weight, labels, inv_t, entropy: bool):
     t_part = torch.empty_like(m_part) if entropy else None
     z_label = torch.empty(n, dtype=torch.float32, device=hidden.device)
     if n > 0:
-        kernel = _logprob_fwd_kernel if _INTERPRET else _logprob_fwd_tuned
-        kernel[_grid({"n_tiles": num_m * num_splits})](
-            hidden, weight, labels, inv_t, m_part, s_part, s_part if t_part is None else t_part, z_label,
-            n, vocab, d, num_splits, blocks_per_split, hidden.stride(0), weight.stride(0),
-            BM=FWD_BM, BV=FWD_BV, BK=FWD_BK, GROUP_M=GROUP_M, ENTROPY=entropy,
+        launch(
+            _logprob_fwd_kernel, FWD_CONFIGS, ["D", "ENTROPY"], grid_1d(num_m * num_splits),
+            h=hidden, w=weight, labels=labels, inv_t=inv_t, m_part=m_part, s_part=s_part,
+            t_part=s_part if t_part is None else t_part, z_label=z_label, N=n, V=vocab, D=d,
+            num_splits=num_splits, blocks_per_split=blocks_per_split, stride_h=hidden.stride(0),
+            stride_w=weight.stride(0), BM=FWD_BM, BV=FWD_BV, BK=FWD_BK, GROUP_M=GROUP_M, ENTROPY=entropy,
             EVEN_D=d % FWD_BK == 0, DOT_PRECISION=_dot_precision(hidden.dtype),
         )  # fmt: skip
     m, s, t = merge_stats(m_part, s_part, t_part)
@@ -311,13 +298,14 @@ def logprob_bwd_dlogits(hidden, weight, labels, inv_t, lse, ent, g_lp, g_ent, v_
     num_tiles = triton.cdiv(n, BWD_BM) * triton.cdiv(width, BWD_BV)
     dz = out[:, :width]
     if num_tiles > 0:
-        kernel = _logprob_bwd_dlogits_kernel if _INTERPRET else _logprob_bwd_dlogits_tuned
-        kernel[_grid({"n_tiles": num_tiles})](
-            hidden, weight, labels, inv_t, lse, lse if ent is None else ent,
-            lse if g_lp is None else g_lp, lse if g_ent is None else g_ent, dz,
-            n, weight.shape[0], d, v_lo, width, hidden.stride(0), weight.stride(0), dz.stride(0),
-            BM=BWD_BM, BV=BWD_BV, BK=BWD_BK, GROUP_M=GROUP_M, HAS_GLP=g_lp is not None,
-            HAS_GENT=g_ent is not None, EVEN_D=d % BWD_BK == 0, DOT_PRECISION=_dot_precision(hidden.dtype),
+        launch(
+            _logprob_bwd_dlogits_kernel, BWD_CONFIGS, ["D", "HAS_GLP", "HAS_GENT"], grid_1d(num_tiles),
+            h=hidden, w=weight, labels=labels, inv_t=inv_t, lse=lse, ent=lse if ent is None else ent,
+            g_lp=lse if g_lp is None else g_lp, g_ent=lse if g_ent is None else g_ent, dz=dz, N=n,
+            V=weight.shape[0], D=d, v_lo=v_lo, width=width, stride_h=hidden.stride(0),
+            stride_w=weight.stride(0), stride_dz=dz.stride(0), BM=BWD_BM, BV=BWD_BV, BK=BWD_BK,
+            GROUP_M=GROUP_M, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, EVEN_D=d % BWD_BK == 0,
+            DOT_PRECISION=_dot_precision(hidden.dtype),
         )  # fmt: skip
     return dz
 

@@ -1,25 +1,34 @@
-"""RMSNorm (plain, (1 + weight), and silu-gated), the norms of Qwen3.5-MoE and Qwen3-MoE."""
+"""RMSNorm (plain, (1 + weight), and silu-gated), the norms of Qwen3.5-MoE and Qwen3-MoE.
+
+The dispatched `norm` callable is `rms_norm_ref`'s contract: `(x, weight, eps, unit_offset=False,
+gate=None)`.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ..dispatch import resolve
 from .reference import rms_norm_ref
 
 IMPLS = {"torch": "verl_moe.ops.norm.reference:rms_norm_ref"}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, unit_offset: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, unit_offset: bool = False, impl: str | None = None
+) -> torch.Tensor:
     """RMSNorm over the last dim. x: [..., D] any float dtype; weight: [D], used as (1 + weight)
     when unit_offset (Qwen3.5) else as weight (Qwen3-MoE). Normalisation in fp32, returns x.dtype.
     Raises ValueError on shape/dtype mismatch."""
-    return rms_norm_ref(x, weight, eps, unit_offset=unit_offset)
+    return resolve("norm", impl)(x, weight, eps, unit_offset=unit_offset)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str | None = None
+) -> torch.Tensor:
     """norm(x) * weight * silu(gate), as transformers' `Qwen3_5MoeRMSNormGated`.
     x, gate: [..., D]; weight: [D]. Returns x.dtype. Raises ValueError on shape/dtype mismatch."""
-    return rms_norm_ref(x, weight, eps, gate=gate)
+    return resolve("norm", impl)(x, weight, eps, gate=gate)
 
 
 __all__ = ["IMPLS", "gated_rms_norm", "rms_norm", "rms_norm_ref"]

@@ -1,10 +1,20 @@
-"""Top-k softmax MoE router in an explicit dtype (fp32 by default) and its load-balancing loss."""
+"""Top-k softmax MoE router in an explicit dtype (fp32 by default) and its load-balancing loss.
 
+The dispatched `router` callable is `route_ref`'s contract.
+"""
+
+import torch
+
+from ..dispatch import resolve
 from .reference import load_balancing_loss, route_ref
 
 IMPLS = {"torch": "verl_moe.ops.router.reference:route_ref"}
 
-# The public op is the reference until a kernel exists; it validates before computing.
-route = route_ref
+
+def route(hidden, gate_weight, top_k: int, norm_topk_prob: bool, dtype=torch.float32, impl: str | None = None):
+    """Routing through the implementation `resolve("router", impl)` picks; arguments and returns as
+    `route_ref`."""
+    return resolve("router", impl)(hidden, gate_weight, top_k, norm_topk_prob, dtype=dtype)
+
 
 __all__ = ["IMPLS", "load_balancing_loss", "route", "route_ref"]

@@ -143,7 +143,7 @@ def test_fp64_model_takes_torch_ops_on_accelerators(monkeypatch):
     # which refuse fp64 inputs. An fp64 model resolves "auto" to each op's torch code, even when
     # VERL_MOE_OPS names a kernel; a 16/32-bit model keeps the accelerator defaults.
     from verl_moe.models.layers import ResolvedOps
-    from verl_moe.ops import device, dispatch
+    from verl_moe.ops import device
     from verl_moe.ops.experts.reference import moe_experts_ref
     from verl_moe.ops.gdn.chunk import chunk_gated_delta_rule
     from verl_moe.ops.gdn.reference import chunk_gated_delta_rule_ref
@@ -153,11 +153,7 @@ def test_fp64_model_takes_torch_ops_on_accelerators(monkeypatch):
 
     monkeypatch.setattr(device, "is_accelerator", lambda: True)
     monkeypatch.setenv("VERL_MOE_OPS", "gdn=triton")
-    dispatch.resolve.cache_clear()
-    try:
-        fp64 = resolved(vm.build(tiny_qwen3_5_moe_text(), dtype=torch.float64))
-        fp32 = resolved(vm.build(tiny_qwen3_5_moe_text(), dtype=torch.float32))
-    finally:
-        dispatch.resolve.cache_clear()
+    fp64 = resolved(vm.build(tiny_qwen3_5_moe_text(), dtype=torch.float64))
+    fp32 = resolved(vm.build(tiny_qwen3_5_moe_text(), dtype=torch.float32))
     assert fp64.gdn is chunk_gated_delta_rule_ref and fp64.experts is moe_experts_ref
     assert fp32.gdn is chunk_gated_delta_rule and fp32.experts is not moe_experts_ref

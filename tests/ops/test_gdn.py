@@ -294,6 +294,14 @@ def test_16bit_matches_recurrent(dtype):
     check_against_reference(x, dtype=dtype)
 
 
+def test_empty_batch_rows_pass_the_initial_state():
+    """T == 0 without cu_seqlens (B empty rows): empty output, final state = initial state."""
+    x = make_inputs(2, 0, 1, 2, 16, 16, torch.float32)
+    o, final = run_ours(x)
+    assert o.shape == (2, 0, 2, 16)
+    assert torch.equal(final, x["initial_state"].float())
+
+
 @pytest.mark.parametrize("T", [1, 65])
 def test_short_sequences(T):
     x = make_inputs(2, T, 1, 2, 16, 16, torch.float32)
@@ -383,7 +391,9 @@ def test_deterministic_mode_searches_one_config(monkeypatch):
 def test_programs_loop_past_the_grid_limit(monkeypatch):
     x = make_inputs(1, 130, 1, 2, 16, 16, torch.float32)
     full = run_ours(x)
-    monkeypatch.setattr(gdn_launch, "GRID_LIMIT", 3)
+    from verl_moe.ops.common import launch as common_launch
+
+    monkeypatch.setattr(common_launch, "GRID_LIMIT", 3)
     capped = run_ours(x)
     assert torch.equal(full[0], capped[0]) and torch.equal(full[1], capped[1])
 

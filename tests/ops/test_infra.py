@@ -31,7 +31,6 @@ def test_forced_device_rejects_unknown(monkeypatch):
 
 def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
     monkeypatch.delenv("VERL_MOE_OPS", raising=False)
-    dispatch.resolve.cache_clear()
     from verl_moe.ops.gdn.reference import chunk_gated_delta_rule_ref
 
     if not device.is_accelerator():
@@ -39,22 +38,51 @@ def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
 
 
 def test_dispatch_is_loud(monkeypatch):
-    dispatch.resolve.cache_clear()
     with pytest.raises(ValueError, match="choices"):
         dispatch.resolve("gdn", "no-such-impl")
     with pytest.raises(ModuleNotFoundError):
         dispatch.resolve("no_such_op")
     monkeypatch.setenv("VERL_MOE_OPS", "gdn=no-such-impl")
-    dispatch.resolve.cache_clear()
     with pytest.raises(ValueError, match="no implementation 'no-such-impl'"):
         dispatch.resolve("gdn")
-    dispatch.resolve.cache_clear()
+
+
+def test_dispatch_follows_env_changes(monkeypatch):
+    """VERL_MOE_OPS is read on every resolve, not frozen by the first call's choice."""
+    from verl_moe.ops.norm.reference import rms_norm_ref
+
+    monkeypatch.setenv("VERL_MOE_OPS", "norm=torch")
+    assert dispatch.resolve("norm") is rms_norm_ref
+    monkeypatch.setenv("VERL_MOE_OPS", "norm=no-such-impl")
+    with pytest.raises(ValueError, match="no implementation 'no-such-impl'"):
+        dispatch.resolve("norm")
+
+
+def test_public_ops_resolve_through_dispatch(monkeypatch):
+    """Every public op calls `resolve` (none binds its reference to the public name), so a kernel
+    registered in IMPLS cannot be skipped: an unknown choice in VERL_MOE_OPS reaches each of them."""
+    import verl_moe.ops as ops
+
+    x = torch.randn(1, 4, 2, 8)
+    calls = {
+        "norm": lambda: ops.rms_norm(x, torch.zeros(8)),
+        "rope": lambda: ops.apply_rotary_pos_emb(x, x, torch.ones(1, 4, 8), torch.zeros(1, 4, 8)),
+        "attention": lambda: ops.causal_attention(x, x, x),
+        "conv1d": lambda: ops.causal_conv1d(x[0], torch.ones(2, 4)),
+        "router": lambda: ops.route(x[0, 0], torch.randn(4, 8), 2, True),
+        "experts": lambda: ops.moe_experts(x[0, 0], torch.randn(2, 4, 8), torch.randn(2, 8, 2), None, None),
+        "gdn": lambda: ops.chunk_gated_delta_rule(x, x, x, x[..., 0], x[..., 0]),
+        "logprob": lambda: ops.logprobs_and_entropy(x[0, 0], torch.randn(5, 8), torch.zeros(2, dtype=torch.long)),
+    }
+    for op, call in calls.items():
+        monkeypatch.setenv("VERL_MOE_OPS", f"{op}=no-such-impl")
+        with pytest.raises(ValueError, match="no implementation 'no-such-impl'"):
+            call()
 
 
 def test_dispatch_refuses_unrunnable_anchor(monkeypatch):
     if device.device_type() == "cuda":
         pytest.skip("fla may run on cuda")
-    dispatch.resolve.cache_clear()
     with pytest.raises(ValueError, match="cannot run here"):
         dispatch.resolve("gdn", "fla")
 

@@ -112,10 +112,11 @@ if IN_CHILD:
     @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
     def test_triton_multi_tile_paths(dtype, monkeypatch, nan_poison):
         """Several token tiles, splits of several vocab blocks, and programs that loop over work items."""
+        from verl_moe.ops.common import launch
         from verl_moe.ops.logprob import fused
 
         monkeypatch.setattr(fused, "FWD_TARGET_ITEMS", 4)  # 3 token tiles x 2 splits (2 + 1 blocks)
-        monkeypatch.setattr(fused, "MAX_GRID", 2)  # each program walks several items / tiles
+        monkeypatch.setattr(launch, "GRID_LIMIT", 2)  # each program walks several items / tiles
         hidden, weight, labels, temperature = _inputs("per_token_t", dtype, n=300, d=72, vocab=330)
         a, b = torch.randn(300), torch.randn(300)
         lp, ent = _call("triton", hidden, weight, labels, temperature)
