@@ -119,7 +119,9 @@ class AlignConfig:
     router_dtype: router dtype for every backend but the golden (None: each backend's default).
     router_ablation: run each non-golden backend with a bf16, fp32 and fp64 router.
     tolerances: (metric, value) overrides of DEFAULT_TOLERANCES. loss: grpo | gspo. seed: weights + stream.
-    batch_dump: a verl batch dump split into `steps` mini-batches instead of the generated stream.
+    batch_dump: a verl batch dump split into `steps` mini-batches instead of the generated stream
+        (safetensors or a torch file of tensors; a pickled `DataProto` needs `trust_pickle`, since
+        unpickling runs code stored in the file: `presets.load_batch_dump`).
     stream: the generated stream's shape (None: the preset's). world_size: ranks of distributed
         backends without `world=` (None: the preset's). train: optimizer / schedule / loss knobs.
     old_logprob_noise: std of Gaussian noise added to the reference's θ0 log-probs to make
@@ -146,6 +148,7 @@ class AlignConfig:
     old_logprob_noise: float = 0.0
     jobs: int = 1
     all_pairs: bool = False
+    trust_pickle: bool = False
     progress: bool | None = None  # None: on when stdout is a terminal
 
     def __post_init__(self):
@@ -167,11 +170,19 @@ class AlignConfig:
             raise ValueError(f"router_dtype must be one of {list(ab.DTYPES)}, got {self.router_dtype!r}")
         if self.router_dtype is not None and self.router_ablation:
             raise ValueError("router_dtype and router_ablation exclude each other")
-        for metric, _ in self.tolerances:
+        for metric, value in self.tolerances:
             if metric not in METRICS:
                 raise ValueError(f"unknown tolerance metric {metric!r}; metrics: {list(METRICS)}")
+            if not math.isfinite(value):  # a NaN bound is never exceeded: a gate that cannot fail
+                raise ValueError(f"tolerance {metric}={value} must be a finite number")
         if self.train.loss != self.loss:
             object.__setattr__(self, "train", replace(self.train, loss=self.loss))
+        labels = [s.label for s in expand_backends(self)]
+        if len(labels) < 2:
+            raise ValueError(
+                f"nothing to compare: --backends {','.join(self.backends)} names one backend ({labels[0]}); "
+                "give the golden and at least one more, e.g. reference,fsdp2"
+            )
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -201,7 +212,40 @@ def tolerances_for(cls: str, cfg: AlignConfig) -> dict[str, float]:
     return {**DEFAULT_TOLERANCES[cls], **dict(cfg.tolerances)}
 
 
-def _prepare(cfg: AlignConfig, out: Path) -> tuple[Path, list[dict], dict, dict]:
+def check_inputs(cfg: AlignConfig, specs: list[ab.BackendSpec]) -> tuple[dict[str, str], list | None]:
+    """What `run` checks before it writes or starts anything: the model folder, the batch dump
+    (loaded here, so a refused pickle, a bad split or a token id past the vocabulary fails now),
+    and that at least two backends can run on this machine (with fewer, no pair is compared and
+    the gate could not fail).
+
+    Returns the skip reason of each backend that cannot run here, and the loaded dump (or None).
+    Raises FileNotFoundError / ValueError naming the input."""
+    if cfg.model:
+        model = Path(cfg.model)
+        if not model.is_dir():
+            raise FileNotFoundError(f"--model {model}: no such folder")
+        if not (model / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model}: no config.json (not a Hugging Face model folder)")
+    dump = load_batch_dump(cfg.batch_dump, cfg.steps, cfg.trust_pickle) if cfg.batch_dump else None
+    if dump is not None:
+        if cfg.model:
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(cfg.model).vocab_size
+        else:
+            vocab = get_preset(cfg.preset).config["vocab_size"]
+        top = max(int(b["input_ids"].max()) for b in dump)
+        if top >= vocab:
+            raise ValueError(f"batch dump {cfg.batch_dump}: token id {top} >= the model's vocab_size {vocab}")
+    skipped = {s.label: reason for s in specs if (reason := ab.unavailable(s))}
+    runnable = [s.label for s in specs if s.label not in skipped]
+    if len(runnable) < 2:
+        why = "; ".join(f"{label} skipped: {reason}" for label, reason in skipped.items())
+        raise ValueError(f"nothing to compare: only {runnable or 'no backend'} can run here ({why})")
+    return skipped, dump
+
+
+def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list[dict], dict, dict]:
     preset = get_preset(cfg.preset) if cfg.preset else None
     if cfg.model:
         model_dir = Path(cfg.model)
@@ -210,8 +254,8 @@ def _prepare(cfg: AlignConfig, out: Path) -> tuple[Path, list[dict], dict, dict]
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(model_dir))
-    if cfg.batch_dump:
-        stream, source = load_batch_dump(cfg.batch_dump, cfg.steps), str(cfg.batch_dump)
+    if dump is not None:
+        stream, source = dump, str(cfg.batch_dump)
     else:
         spec = cfg.stream or (preset.stream if preset else StreamSpec())
         stream, source = make_stream(spec, hf.vocab_size, cfg.steps, cfg.seed), f"generated (seed {cfg.seed})"
@@ -247,15 +291,16 @@ def run(cfg: AlignConfig) -> dict:
     """Run every backend, compare each with the golden, write report.json and the plots."""
     from .report import environment
 
+    specs = expand_backends(cfg)
+    skipped, dump = check_inputs(cfg, specs)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir, stream, model_info, stream_info = _prepare(cfg, out)
+    model_dir, stream, model_info, stream_info = _prepare(cfg, out, dump)
     stream_path = out / "stream.pt"
     torch.save(stream, stream_path)
     preset = get_preset(cfg.preset) if cfg.preset else None
     default_world = cfg.world_size or (preset.world_size if preset else 2)
 
-    specs = expand_backends(cfg)
     traces: dict[str, BackendTrace] = {}
     rows = []
     with _progress(cfg) as progress:
@@ -275,7 +320,7 @@ def run(cfg: AlignConfig) -> dict:
                 "grad_norm": [],
             }
             rows.append(row)
-            reason = ab.unavailable(spec)
+            reason = skipped.get(spec.label)
             if reason:
                 row.update(status="skipped", reason=reason)
                 continue
@@ -331,7 +376,8 @@ def run(cfg: AlignConfig) -> dict:
         vs_golden = [p["b"] for p in pairs if p["a"] == golden]
         plots["logp_hist"] = str(plot_logp_hist(traces, golden, vs_golden, out / "logp_hist.png"))
     failed = any(r["status"] == "failed" for r in rows)
-    ok = not failed and all(p["ok"] for p in pairs) and golden is not None
+    # no pair (every backend but one failed) is never ALIGNED: a gate must be able to fail
+    ok = not failed and bool(pairs) and all(p["ok"] for p in pairs) and golden is not None
     report = {
         "schema": SCHEMA_VERSION,
         "tool": "align",

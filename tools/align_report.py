@@ -338,4 +338,6 @@ def print_report(report: dict) -> None:
     for name, path in report["plots"].items():
         print(f"plot {name}: {path}")
     print(f"report: {Path(report['config']['out']) / 'report.json'}")
+    if not report["pairs"]:
+        print("no backend pair was compared (see the failed backends above)")
     print("ALIGNED" if report["ok"] else "NOT ALIGNED (exit 1)")

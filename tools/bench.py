@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..ops import device
 from ..ops.testing import rel_rms
@@ -32,6 +33,22 @@ class BenchConfig:
     reps: int = 10
     json_path: str | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        ops = bench_ops()
+        if self.op not in ops:
+            raise ValueError(f"unknown bench op {self.op!r}; choices: {ops}")
+        if self.warmup < 1 or self.reps < 1:  # the warm-up call also gives the outputs checked
+            raise ValueError(f"warmup and reps must be >= 1, got warmup={self.warmup}, reps={self.reps}")
+        if self.json_path and not Path(self.json_path).resolve().parent.is_dir():
+            raise FileNotFoundError(f"--json {self.json_path}: folder {Path(self.json_path).parent} does not exist")
+
+
+def bench_ops() -> list[str]:
+    """What `verl-moe bench` takes: each op folder of verl_moe.ops with a bench.py, and `model`."""
+    from .. import ops
+
+    return [*sorted(p.parent.name for p in Path(ops.__file__).parent.glob("*/bench.py")), "model"]
 
 
 def time_ms(fn, reps: int) -> float:
@@ -75,10 +92,15 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     providers = cfg.providers or tuple(bench.PROVIDERS)
     unknown = set(providers) - set(bench.PROVIDERS)
     if unknown:
-        raise ValueError(f"unknown providers {sorted(unknown)} for op {cfg.op}; choices: {bench.PROVIDERS}")
+        raise ValueError(f"unknown providers {sorted(unknown)} for op {cfg.op}; choices: {list(bench.PROVIDERS)}")
+    case_ids = [c["id"] for c in bench.CASES]
+    unknown = set(cfg.cases) - set(case_ids)
+    if unknown:
+        raise ValueError(f"unknown cases {sorted(unknown)} for op {cfg.op}; cases: {case_ids}")
     cases = [c for c in bench.CASES if not cfg.cases or c["id"] in cfg.cases]
-    if not cases:
-        raise ValueError(f"no case matches {cfg.cases}; cases: {[c['id'] for c in bench.CASES]}")
+    unknown = set(cfg.modes) - set(bench.MODES)
+    if unknown:
+        raise ValueError(f"unknown modes {sorted(unknown)} for op {cfg.op}; modes: {list(bench.MODES)}")
     rows, skipped = [], {}
     for p in providers:
         reason = bench.unavailable(p)

@@ -1,12 +1,80 @@
-"""The `verl-moe` command line: thin wrappers over `run(cfg) -> dict` in each tool module."""
+"""The `verl-moe` command line: thin wrappers over `run(cfg) -> dict` in each tool module.
+
+Exit codes: 0 success (bench: every check passed; align: ALIGNED); 1 a result that fails its gate
+(a bench check, an align tolerance, a failed backend); 2 a usage error: a bad option, a missing path,
+an unknown name, an unreadable input, nothing to compare. A usage error is one line on stderr, never
+a traceback: every `run(cfg)` checks its inputs (raising ValueError / FileNotFoundError) before it
+starts any work, and `_Group.main` below turns those and click's usage errors into that line.
+`verl-moe --debug ...` lets them propagate with their traceback.
+"""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import typer
+from typer.core import TyperGroup
 
-app = typer.Typer(help="verl-moe: benchmarks and precision-alignment tools", no_args_is_help=True)
+try:  # typer >= 0.2x raises the exceptions of its vendored click
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
+
+# Raised by the tools' input checks. A ValueError from deeper inside a run reads the same; `--debug` shows where.
+USAGE_ERRORS = (ValueError, FileNotFoundError)
+USAGE_EXIT = 2
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+class _Group(TyperGroup):
+    """The command group: usage errors become one stderr line and exit 2 (see the module docstring)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        prog = prog_name or "verl-moe"
+        global_options = argv[: next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]
+        debug = "--debug" in global_options
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click_errors.NoArgsIsHelpError as e:  # bare `verl-moe`: the help (already printed) is the answer
+            code = e.exit_code
+        except click_errors.ClickException as e:  # bad option / argument, unknown command
+            if debug:
+                raise
+            where = e.ctx.command_path if getattr(e, "ctx", None) else prog
+            typer.echo(f"{where}: error: {_one_line(e.format_message())}", err=True)
+            code = e.exit_code
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            code = 1
+        except USAGE_ERRORS as e:
+            if debug:
+                raise
+            command = next((a for a in argv if a in self.commands), None)
+            where = f"{prog} {command}" if command else prog
+            typer.echo(f"{where}: error: {_one_line(e) or type(e).__name__}", err=True)
+            code = USAGE_EXIT
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(help="verl-moe: benchmarks and precision-alignment tools", no_args_is_help=True, cls=_Group)
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(
+        False, "--debug", help="show the traceback of an error instead of one line on stderr (give before the command)"
+    ),
+):
+    # read by _Group.main from the command line itself, so it also covers errors in parsing the command's options
+    del debug
 
 
 @app.command()
@@ -54,7 +122,16 @@ def align(
     tol: list[str] = typer.Option([], help="metric=value, overrides the default tolerance (repeatable)"),
     loss: str = typer.Option("grpo", help="grpo or gspo (verl's ppo_loss)"),
     seed: int = typer.Option(0, help="seed of the weights and of the batch stream"),
-    batch_dump: str = typer.Option(None, help="verl batch dump to split into K mini-batches instead of the stream"),
+    batch_dump: str = typer.Option(
+        None,
+        help="verl batch dump to split into K mini-batches instead of the stream: safetensors or a torch file "
+        "of tensors (a pickled DataProto needs --trust-pickle)",
+    ),
+    trust_pickle: bool = typer.Option(
+        False,
+        help="allow a --batch-dump that is a pickle (verl's DataProto.save_to_disk, a torch-saved TensorDict): "
+        "unpickling runs code stored in the file, so give it only for a dump you made or trust",
+    ),
     all_pairs: bool = typer.Option(False, help="also compare every two non-golden backends (e.g. fsdp2 vs megatron)"),
     jobs: int = typer.Option(1, help="backend workers run at a time (>1: they share the devices; wall times overlap)"),
 ):
@@ -65,8 +142,11 @@ def align(
     for item in tol:
         metric, sep, value = item.partition("=")
         if not sep:
-            raise typer.BadParameter(f"--tol {item!r}: expected metric=value")
-        tolerances.append((metric, float(value)))
+            raise typer.BadParameter(f"{item!r}: expected metric=value", param_hint="'--tol'")
+        try:
+            tolerances.append((metric, float(value)))
+        except ValueError:
+            raise typer.BadParameter(f"{item!r}: {value!r} is not a number", param_hint="'--tol'") from None
     report = run(
         AlignConfig(
             preset=preset,
@@ -80,6 +160,7 @@ def align(
             loss=loss,
             seed=seed,
             batch_dump=batch_dump,
+            trust_pickle=trust_pickle,
             jobs=jobs,
             all_pairs=all_pairs,
         )

@@ -52,14 +52,22 @@ Series = dict[str, dict[int, float]]  # key -> {step: value}
 
 
 def read_jsonl(path: Path) -> Series:
+    """verl's file-logger lines; ValueError naming the file and line for one that is not
+    `{"step": int, "data": {...}}` (a run killed mid-write leaves a truncated last line)."""
     series: Series = {}
     with open(path) as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
-            step, data = int(row["step"]), row.get("data", {})
+            try:
+                row = json.loads(line)
+                step, data = int(row["step"]), row.get("data", {})
+                if not isinstance(data, dict):
+                    raise TypeError("data is not an object")
+            except (ValueError, KeyError, TypeError) as e:
+                why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {e}"
+                raise ValueError(f"{path}:{lineno}: not a verl JSONL line ({why})") from None
             for key, value in data.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     series.setdefault(key, {})[step] = float(value)
@@ -136,8 +144,10 @@ def divergence_step(base: dict[int, float], run: dict[int, float], cfg: CurvesCo
 
 
 def _label_and_path(spec: str) -> tuple[str, str]:
-    if "=" in spec:
+    if "=" in spec and not Path(spec).exists():
         label, path = spec.split("=", 1)
+        if not label or not path:
+            raise ValueError(f"run {spec!r}: expected label=path")
         return label, path
     p = Path(spec)
     return (p.stem if p.is_file() else p.name), spec
@@ -147,10 +157,14 @@ def run(cfg: CurvesConfig) -> dict:
     """Read the runs, resolve metrics, find divergence points, write curves.png and curves.json."""
     from .report import environment
 
-    runs = []
-    for spec in cfg.runs:
-        label, path = _label_and_path(spec)
-        runs.append((label, path, read_run(path)))
+    specs = [_label_and_path(spec) for spec in cfg.runs]
+    labels = [label for label, _ in specs]
+    if len(set(labels)) < len(labels):  # runs are keyed by label: a repeated one would hide a run
+        raise ValueError(f"run labels repeat: {labels}; name them with label=path")
+    for _, path in specs:  # every path before reading any: a typo in the last fails at once
+        if not Path(path).exists():
+            raise FileNotFoundError(f"run log {path} does not exist")
+    runs = [(label, path, read_run(path)) for label, path in specs]
     metrics = []
     for metric in cfg.metrics:
         keys = {label: resolve(metric, list(series)) for label, _, series in runs}

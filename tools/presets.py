@@ -204,28 +204,95 @@ def make_stream(spec: StreamSpec, vocab_size: int, steps: int, seed: int) -> lis
     return [make_batch(spec, vocab_size, generator) for _ in range(steps)]
 
 
-def load_batch_dump(path: str | Path, steps: int) -> list[dict[str, torch.Tensor]]:
+def save_batch_dump(batch, path: str | Path) -> Path:
+    """Write a batch (a dict / TensorDict of padded tensors, or a verl `DataProto`) as safetensors,
+    the format `load_batch_dump` reads without unpickling."""
+    from safetensors.torch import save_file
+
+    batch = getattr(batch, "batch", batch)  # DataProto -> its TensorDict
+    save_file({k: torch.as_tensor(batch[k]).contiguous() for k in batch.keys()}, str(path))
+    return Path(path)
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file starts with the 8-byte little-endian length of a JSON header, then `{`."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    return 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8
+
+
+def _read_dump(path: Path, trust_pickle: bool):
+    """The object in a batch dump: safetensors and plain-tensor torch files load without running
+    code; any other pickle (verl's `DataProto.save_to_disk`) needs `trust_pickle`."""
+    import warnings
+
+    if _is_safetensors(path):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise ValueError(f"batch dump {path}: damaged safetensors file ({e})") from e
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # by the first bytes: zipfile.is_zipfile would also accept a pickle that embeds a zip (DataProto does)
+    is_zip = head == b"PK\x03\x04"  # torch.save's zip format
+    is_pickle = head[:1] == b"\x80"  # the PROTO opcode that starts every pickle of protocol >= 2
+    if not (is_zip or is_pickle):
+        raise ValueError(f"batch dump {path} is not safetensors, a torch file or a pickle")
+    try:  # torch's weights-only unpickler: tensors and plain containers, no other global is resolved
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "pickle protocol 4": the restricted unpickler still refuses safely
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        if not trust_pickle:
+            kind = "a torch file holding objects other than tensors" if is_zip else "a pickle (verl's DataProto)"
+            raise ValueError(
+                f"batch dump {path} is {kind}: loading it runs code stored in the file; pass --trust-pickle "
+                "if you made or trust it, or re-save it as safetensors (verl_moe.tools.presets.save_batch_dump)"
+            ) from None
+    import pickle
+
+    try:
+        if is_zip:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as e:
+        raise ValueError(f"batch dump {path}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+def load_batch_dump(path: str | Path, steps: int, trust_pickle: bool = False) -> list[dict[str, torch.Tensor]]:
     """Split a verl batch dump into `steps` equal mini-batches (as verl splits a rollout batch).
 
-    `path` holds a `DataProto` written by `DataProto.save_to_disk`, or a dict / TensorDict of
-    padded tensors saved with `torch.save`; it needs the keys of `BATCH_KEYS` and may carry
-    `old_log_probs` (kept when present).
-    """
-    with open(path, "rb") as f:
-        is_torch_zip = f.read(2) == b"PK"
-    if is_torch_zip:
-        obj = torch.load(path, weights_only=False)
-    else:  # DataProto.save_to_disk pickles the object
-        import pickle
+    `path` holds padded tensors with the keys of `BATCH_KEYS` (and `old_log_probs`, kept when
+    present) as a safetensors file (`save_batch_dump`) or a dict of tensors saved with
+    `torch.save`; both load without running code. A verl `DataProto` written by
+    `DataProto.save_to_disk` (a pickle), or a torch-saved TensorDict, loads only with
+    `trust_pickle=True`: unpickling runs code stored in the file.
 
-        with open(path, "rb") as f:
-            obj = pickle.load(f)
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: a pickle without `trust_pickle`, a damaged file, missing keys, keys of
+            different lengths, or a batch that does not split into `steps`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"batch dump {path} does not exist")
+    obj = _read_dump(path, trust_pickle)
     batch = getattr(obj, "batch", obj)  # DataProto -> its TensorDict
+    if not hasattr(batch, "keys"):
+        raise ValueError(f"batch dump {path} holds a {type(obj).__name__}, not a dict of tensors or a DataProto")
     missing = [k for k in BATCH_KEYS if k not in batch.keys()]
     if missing:
         raise ValueError(f"{path}: batch dump lacks {missing}; it needs {list(BATCH_KEYS)}")
     keys = [*BATCH_KEYS, *(["old_log_probs"] if "old_log_probs" in batch.keys() else [])]
     n = batch["input_ids"].shape[0]
+    lengths = {k: int(torch.as_tensor(batch[k]).shape[0]) for k in keys}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{path}: batch dump keys hold different numbers of sequences: {lengths}")
     if steps < 1 or n % steps:
         raise ValueError(f"{path}: {n} sequences do not split into {steps} equal mini-batches")
     size = n // steps

@@ -175,20 +175,6 @@ def test_backend_names_parse_and_router_ablation_expands():
         align.AlignConfig(jobs=0)
 
 
-def test_batch_dump_round_trip(tmp_path):
-    from verl import DataProto
-
-    stream = presets.make_stream(presets.StreamSpec(num_prompts=2, group_size=2), vocab_size=64, steps=1, seed=3)
-    batch = {**stream[0], "old_log_probs": torch.randn(stream[0]["responses"].shape)}
-    DataProto.from_single_dict(batch).save_to_disk(tmp_path / "dump.pt")
-    halves = presets.load_batch_dump(tmp_path / "dump.pt", steps=2)
-    assert len(halves) == 2
-    for key, value in batch.items():
-        assert torch.equal(torch.cat([h[key] for h in halves]), value), key
-    with pytest.raises(ValueError, match="equal mini-batches"):
-        presets.load_batch_dump(tmp_path / "dump.pt", steps=3)
-
-
 def test_stream_is_deterministic_and_verl_shaped():
     spec = presets.get_preset("tiny-qwen3.5-moe").stream
     one, two = presets.make_stream(spec, 512, 2, seed=7), presets.make_stream(spec, 512, 2, seed=7)

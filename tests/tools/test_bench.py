@@ -55,8 +55,8 @@ def test_runner_flags_a_wrong_provider(tiny_logprob, monkeypatch):
 def test_runner_rejects_unknown_names(tiny_logprob):
     with pytest.raises(ValueError, match="unknown providers"):
         bench.run(bench.BenchConfig(op="logprob", providers=("nope",)))
-    with pytest.raises(ValueError, match="no case matches"):
-        bench.run(bench.BenchConfig(op="logprob", cases=("N1",)))
+    with pytest.raises(ValueError, match="unknown cases"):
+        bench.run(bench.BenchConfig(op="logprob", cases=(TINY["id"], "N1")))  # one typo is not dropped silently
 
 
 def test_unavailable_provider_is_skipped_with_its_reason(tiny_logprob):
