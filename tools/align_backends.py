@@ -269,7 +269,7 @@ def run_reference(job: Job, progress: Callable[[int], None] | None = None) -> Ba
     torch.manual_seed(0)
     model = models.from_pretrained(job.model_dir, dtype=dtype, device=dev, ops=spec.ops_config())
     model.train()
-    stream = torch.load(job.stream_path, weights_only=False)
+    stream = torch.load(job.stream_path, weights_only=True)  # a list of dicts of tensors
     cfg = actor_config(job.train)
     params = dict(model.named_parameters())
     probe = Probe({n: p.numel() for n, p in params.items()}, budget=job.train.probe_budget)
@@ -449,7 +449,8 @@ def _launch(job: Job, log_dir: Path, progress: Callable[[int], None] | None) -> 
         errors = [ln for ln in log_path.read_text().splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
         cause = errors[0] if errors else "see the log"
         raise RuntimeError(f"{spec.label}: worker exited with {code}: {cause} (log {log_path})")
-    return torch.load(job.trace_path, weights_only=False)
+    with torch.serialization.safe_globals([BackendTrace, StepTrace]):  # the trace's two dataclasses, no other code
+        return torch.load(job.trace_path, weights_only=True)
 
 
 STEP_MARK = "ALIGN_STEP "
@@ -563,7 +564,7 @@ def run_engine_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace |
     rank, world = dist.get_rank(), dist.get_world_size()
     device.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.manual_seed(0)
-    stream = torch.load(job.stream_path, weights_only=False)
+    stream = torch.load(job.stream_path, weights_only=True)  # a list of dicts of tensors
     train = job.train
     engine = build_engine(spec, job.model_dir, train, total_steps=len(stream))
     engine.initialize()

@@ -531,7 +531,7 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
     spec = parse_backend(job.backend)
     train, dev = job.train, device.current_device()
     mm = build_megatron(job.model_dir, spec.compute_dtype, spec.router_dtype, dev)
-    stream = torch.load(job.stream_path, weights_only=False)
+    stream = torch.load(job.stream_path, weights_only=True)  # a list of dicts of tensors
     optimizer, scheduler = megatron_optimizer(mm, train, len(stream))
     main = _main_params(optimizer)
     named = dict(mm.gpt.named_parameters())
