@@ -1,8 +1,20 @@
-"""`verl-moe bench model`: one training step (forward, log-prob loss, backward) of a reduced
-Qwen3.5-MoE, ours against transformers (with fla when installed) from the same weights.
+"""`verl-moe bench model`: one training step (forward, next-token log-prob loss, backward) of a reduced
+Qwen3.5-MoE, ours against VeOmni's own model and transformers (with fla when installed), all built from
+the same weights in one process.
 
-The reduced model is ENVIRONMENT.md's anchor: hidden 2048, 8 layers (6 GatedDeltaNet + 2
-attention), 64 experts top-8, the real 248,320-token vocabulary, bf16, one 8192-token sequence.
+The reduced model is ENVIRONMENT.md's anchor: hidden 2048, 8 layers (6 GatedDeltaNet + 2 attention),
+64 experts top-8, the real 248,320-token vocabulary, bf16. Cases: one 8192-token sequence, and 16,384
+tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequences).
+
+Providers:
+- ours: `verl_moe.models.build` with the default ops, log-prob through our fused head;
+- veomni: VeOmni 0.1.12's `build_foundation_model` with its GPU kernels (fla GDN / conv / gated norm,
+  Liger RMSNorm and fused cross-entropy, its Triton group-GEMM MoE, sdpa), as verl's VeOmni engine runs
+  it; packed sequences through `cu_seq_lens_q/k`;
+- hf: transformers' `Qwen3_5MoeForCausalLM` (sdpa, grouped_mm experts, fla when installed); it ignores
+  packing, so its loss is compared on one-sequence cases only.
+Each row also carries tokens/s, MFU (6 * N_active * tokens / time over the H200's measured dense bf16
+matmul rate) and the provider's own peak memory (its weights + inputs + the step's extra peak).
 """
 
 from __future__ import annotations
@@ -13,17 +25,21 @@ import torch
 
 CASES = [
     {"id": "qwen3.5-moe-reduced-L8-T8192", "layers": 8, "tokens": 8192},
-    # transformers' sdpa and fla paths ignore packing: time it, but its loss is not comparable.
-    {"id": "qwen3.5-moe-reduced-L8-T4x2048-packed", "layers": 8, "tokens": 8192, "sequences": 4, "check": False},
+    {"id": "qwen3.5-moe-reduced-L8-T16384", "layers": 8, "tokens": 16384},
+    # transformers ignores packing: timed, its loss not compared.
+    {"id": "qwen3.5-moe-reduced-L8-T16384-N16", "layers": 8, "tokens": 16384, "sequences": 16, "unchecked": ("hf",)},
+    {"id": "qwen3.5-moe-reduced-L8-T16384-N64", "layers": 8, "tokens": 16384, "sequences": 64, "unchecked": ("hf",)},
 ]
-PROVIDERS = ("ours", "hf")
-REFERENCE = "hf"
+PROVIDERS = ("ours", "veomni", "hf")
+REFERENCE = "veomni"
 MODES = ("fwd", "fwd_bwd")
 # The check compares the loss only. In bf16 the lm_head gradient of each implementation is ~3% (rel
 # RMS) off an fp32 golden of the same weights (measured on CPU at hidden 256, 64 experts, VOCAB 8192:
 # ours 2.8%, transformers 3.4%), so two bf16 gradients cannot check each other; gradient
 # correctness is tested in fp32 against transformers in tests/models. The bf16 losses agreed to 7e-5.
-TOLERANCE = {"ours": 1e-3, "hf": 0.0}
+TOLERANCE = {"ours": 1e-3, "veomni": 0.0, "hf": 1e-3}
+# Dense bf16 matmul rate measured on the H200 (device notes: ~790 TFLOP/s), the MFU denominator.
+PEAK_TFLOPS = 790.0
 
 
 def reduced_config(layers: int):
@@ -50,64 +66,153 @@ def reduced_config(layers: int):
     )
 
 
+def active_params(model) -> int:
+    """Parameters one token uses, without the input embedding: dense weights, lm_head, and the routed
+    experts scaled by TOPK / E (0.993 B for the reduced L8 model)."""
+    arch = model.arch
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        share = arch.num_experts_per_tok / arch.num_experts if ".experts." in name else 1.0
+        total += p.numel() * share
+    return int(total)
+
+
 def unavailable(provider: str) -> str | None:
     from ..ops import device
 
     if not device.is_accelerator():
         return "the reduced model needs an accelerator (about 30 GiB)"
+    if provider == "veomni":
+        missing = [p for p in ("veomni", "fla", "liger_kernel") if importlib.util.find_spec(p) is None]
+        if missing:
+            return f"VeOmni's GPU model needs {', '.join(missing)} (pip install veomni --no-deps; 'verl-moe[bench]')"
+        if device.device_type() != "cuda":
+            return "VeOmni's fla / Liger kernels run on cuda only"
     return None
 
 
-def make_inputs(case: dict, device: torch.device) -> dict:
-    from transformers import Qwen3_5MoeForCausalLM
-
-    from . import build
-
+def _allow_fla_backward_on_hopper() -> None:
+    # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its own guard against a Triton
+    # miscompile); its gradients matched the reference at K=128 (ENVIRONMENT.md).
     if importlib.util.find_spec("fla") is not None:
-        # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its own guard against a
-        # Triton miscompile); its gradients matched the reference at K=128 (ENVIRONMENT.md).
         import fla.ops.common.chunk_o as fla_chunk_o
 
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True
 
+
+def _build_hf(config, state: dict, device):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (ENVIRONMENT.md)
+    model = Qwen3_5MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _build_veomni(config, state: dict, device):
+    from veomni.arguments import OpsImplementationConfig
+    from veomni.models import build_foundation_model
+
+    ops = OpsImplementationConfig(
+        attn_implementation="sdpa",
+        moe_implementation="fused_triton",
+        cross_entropy_loss_implementation="liger_kernel",
+        rms_norm_implementation="liger_kernel",
+        rms_norm_gated_implementation="fla",
+        causal_conv1d_implementation="fla",
+        chunk_gated_delta_rule_implementation="fla",
+        load_balancing_loss_implementation="triton",
+    )
+    model = build_foundation_model(config, torch_dtype="bfloat16", init_device=device.type, ops_implementation=ops)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"VeOmni's model does not take our state dict: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    return model
+
+
+def make_inputs(case: dict, device: torch.device) -> dict:
+    """The step's batch and our model; VeOmni's and transformers' models are built from our weights on
+    their first `run` (inside the untimed warm-up), so an unselected provider costs nothing."""
+    from . import build
+
+    _allow_fla_backward_on_hopper()
     torch.manual_seed(0)
     config = reduced_config(case["layers"])
     ours = build(config, dtype=torch.bfloat16, device=device)
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (as in ENVIRONMENT.md)
-    hf = Qwen3_5MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
-    hf.load_state_dict(ours.state_dict(), strict=True)
     T, N = case["tokens"], case.get("sequences", 1)
     input_ids = torch.randint(0, config.vocab_size, (1, T), device=device)
     bounds = torch.linspace(0, T, N + 1).long().tolist()
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     position_ids = torch.cat([torch.arange(e - s, device=device) for s, e in zip(bounds[:-1], bounds[1:])])[None]
     return {
+        "config": config,
         "ours": ours,
-        "hf": hf,
         "input_ids": input_ids,
         "position_ids": position_ids,
-        "cu_seqlens": cu_seqlens if N > 1 else None,
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(e - s for s, e in zip(bounds[:-1], bounds[1:])),
+        "packed": N > 1,
     }
 
 
+def _model(provider: str, inputs: dict):
+    if provider not in inputs:
+        build_other = {"hf": _build_hf, "veomni": _build_veomni}[provider]
+        state = inputs["ours"].state_dict()
+        inputs[provider] = build_other(inputs["config"], state, inputs["input_ids"].device)
+    return inputs[provider]
+
+
 def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
-    """Loss = mean next-token negative log-likelihood, forward (and backward for "fwd_bwd"); returns [loss]."""
+    """Loss = mean negative log-likelihood of token t+1 at positions 0..T-2 (the last position has no
+    label in VeOmni's shifted loss), forward (and backward for "fwd_bwd"); returns [loss]."""
     from ..ops import logprobs_and_entropy
 
-    model = inputs[provider]
+    model = _model(provider, inputs)
     ids, pos, cu = inputs["input_ids"], inputs["position_ids"], inputs["cu_seqlens"]
-    labels = torch.roll(ids, -1, dims=1)[0]
+    labels = ids[0, 1:]
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         if provider == "ours":
-            hidden = model(ids, pos, cu_seqlens=cu).last_hidden_state[0]
+            hidden = model(ids, pos, cu_seqlens=cu if inputs["packed"] else None).last_hidden_state[0, :-1]
             logp, _ = logprobs_and_entropy(hidden, model.lm_head.weight, labels, calculate_entropy=False)
+            loss = -logp.mean()
+        elif provider == "veomni":
+            # VeOmni's decoder asserts cu_seq_lens_q; its fused cross-entropy shifts the labels itself.
+            T = inputs["max_seqlen"]
+            out = model(
+                input_ids=ids,
+                labels=ids,
+                position_ids=pos,
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=T,
+                max_length_k=T,
+            )
+            loss = out.loss
         else:
             # transformers: packed sequences via position ids restarting at 0 (its flash/sdpa path).
-            logits = model(input_ids=ids, position_ids=pos).logits[0].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
-        loss = -logp.mean()
+            logits = model(input_ids=ids, position_ids=pos).logits[0, :-1].float()
+            loss = -torch.log_softmax(logits, -1).gather(-1, labels[:, None]).mean()
         if mode == "fwd_bwd":
             model.zero_grad(set_to_none=True)
             loss.backward()
     return [loss.detach()]
+
+
+def derived(case: dict, provider: str, mode: str, inputs: dict, ms: float, peak_extra_gib: float) -> dict:
+    """Per-row throughput and memory: tokens/s, MFU (2 N T flops forward, 6 N T with backward) and the
+    provider's own peak (its weights + the step's extra peak; the batch is a few KiB)."""
+    tokens = case["tokens"]
+    model = _model(provider, inputs)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 1024**3
+    flops = (6 if mode == "fwd_bwd" else 2) * active_params(inputs["ours"]) * tokens
+    return {
+        "tokens_per_s": tokens / (ms / 1e3),
+        "mfu": flops / (ms / 1e3) / (PEAK_TFLOPS * 1e12),
+        "peak_gib": weights + peak_extra_gib,
+    }

@@ -128,7 +128,9 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                 call = functools.partial(bench.run, p, inputs, mode)
                 for _ in range(cfg.warmup):
                     out = call()
-                errors = _errors(ref_out, out) if ref_out is not None else []
+                # A case may name providers whose output is not comparable there (transformers ignores packing).
+                checked = ref_out is not None and p not in case.get("unchecked", ())
+                errors = _errors(ref_out, out) if checked else []
                 measured = [e for e in errors if e == e]
                 err = max(measured) if measured else float("nan")
                 ok = err != err or err <= bench.TOLERANCE.get(p, 0.0)
@@ -148,6 +150,8 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                         "check_ok": ok,
                     }
                 )
+                if hasattr(bench, "derived"):  # e.g. the model step's tokens/s, MFU and own peak memory
+                    rows[-1].update(bench.derived(case, p, mode, inputs, ms, mem))
                 if on_row:
                     on_row(rows[-1])
             ours = active[0] if active else None
@@ -167,19 +171,29 @@ def _write(report: dict, path: str | None) -> None:
             json.dump(report, f, indent=2)
 
 
+BASE_COLUMNS = ("case", "mode", "provider", "ms", "peak_extra_gib", "rel_rms_vs_ref", "rel_rms_per_output", "check_ok")
+
+
+def _extra_columns(row: dict) -> list[str]:
+    """Columns a bench module's `derived` adds (model: tokens_per_s, mfu, peak_gib), then the ratios."""
+    extra = [k for k in row if k not in BASE_COLUMNS and not k.startswith("ratio_")]
+    return extra + [k for k in row if k.startswith("ratio_")]
+
+
 def print_row(row: dict) -> None:
     """One progress line per measured row (the table follows at the end)."""
+    derived = "".join(f", {k} {row[k]:.4g}" for k in _extra_columns(row) if not k.startswith("ratio_"))
     print(
         f"{row['case']} {row['mode']} {row['provider']}: {row['ms']:.3f} ms, peak +{row['peak_extra_gib']:.2f} GiB, "
-        f"rel-RMS {row['rel_rms_vs_ref']:.2e}{'' if row['check_ok'] else '  CHECK FAILED'}",
+        f"rel-RMS {row['rel_rms_vs_ref']:.2e}{derived}{'' if row['check_ok'] else '  CHECK FAILED'}",
         flush=True,
     )
 
 
 def print_report(report: dict) -> None:
     columns = ["case", "mode", "provider", "ms", "peak_extra_gib", "rel_rms_vs_ref", "check_ok"]
-    ratio = [k for k in (report["rows"][0] if report["rows"] else {}) if k.startswith("ratio_")]
-    render_table(f"verl-moe bench {report['op']} on {report['device_name']}", columns + ratio, report["rows"])
+    extra = _extra_columns(report["rows"][0]) if report["rows"] else []
+    render_table(f"verl-moe bench {report['op']} on {report['device_name']}", columns + extra, report["rows"])
     for p, why in report["skipped_providers"].items():
         print(f"skipped provider {p}: {why}")
 
