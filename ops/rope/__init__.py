@@ -8,6 +8,7 @@ from .reference import apply_rotary_pos_emb_ref, mrope_rows, rope_cos_sin, rope_
 
 IMPLS = {
     "torch": "verl_moe.ops.rope.reference:apply_rotary_pos_emb_ref",
+    "triton": "verl_moe.ops.rope.fused:apply_rotary_pos_emb_fused",
 }
 
 

@@ -90,6 +90,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """Raise ValueError unless q [B, T, H, K], k [B, T, HKV, K] and cos/sin [B, T, rotary_dim] (even,
+    <= K) fit together; returns rotary_dim."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q must be [B, T, H, K] and k [B, T, HKV, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    rotary_dim = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape != (*q.shape[:2], rotary_dim) or rotary_dim > q.shape[-1] or rotary_dim % 2:
+        raise ValueError(
+            f"cos/sin must be [B, T, rotary_dim] with even rotary_dim <= K={q.shape[-1]} and "
+            f"B, T = {tuple(q.shape[:2])}; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    return rotary_dim
+
+
 def apply_rotary_pos_emb_ref(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,14 +117,7 @@ def apply_rotary_pos_emb_ref(
     Raises:
         ValueError: shape mismatch.
     """
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q must be [B, T, H, K] and k [B, T, HKV, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    rotary_dim = cos.shape[-1]
-    if cos.shape != sin.shape or cos.shape != (*q.shape[:2], rotary_dim) or rotary_dim > q.shape[-1] or rotary_dim % 2:
-        raise ValueError(
-            f"cos/sin must be [B, T, rotary_dim] with even rotary_dim <= K={q.shape[-1]} and "
-            f"B, T = {tuple(q.shape[:2])}; got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
+    rotary_dim = check_rope_inputs(q, k, cos, sin)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
 
     def rotate(x):

@@ -1,12 +1,15 @@
 """RoPE: cos/sin equal transformers' rotary modules (plain and interleaved mRoPE, partial rotary);
-the rotation vs fp64 and its defining properties.
+the rotation vs fp64 and its defining properties; the Triton rotation (interpreter on CPU) vs the
+fp64 reference, forward and backward.
 
 Tolerances:
-| quantity                          | fp32           |
-| cos/sin vs transformers           | bit-identical  |
-| rotated q/k vs transformers       | bit-identical  |
-| rotated q/k vs fp64               | rel RMS 1e-6   |
-| relative-position invariance fp64 | 1e-10 absolute |
+| quantity                            | fp32           | bf16         |
+| cos/sin vs transformers             | bit-identical  |              |
+| rotated q/k vs transformers         | bit-identical  |              |
+| rotated q/k vs fp64                 | rel RMS 1e-6   |              |
+| triton q, k, dq, dk vs fp64         | rel RMS 1e-6   | rel RMS 1e-2 |
+| triton features past rotary_dim     | bit-identical  | bit-identical|
+| relative-position invariance fp64   | 1e-10 absolute |              |
 """
 
 import pytest
@@ -14,10 +17,13 @@ import torch
 from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf35
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
-from verl_moe.ops.rope import apply_rotary_pos_emb, rope_cos_sin, rope_inv_freq
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops import device
+from verl_moe.ops.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_ref, rope_cos_sin, rope_inv_freq
+from verl_moe.ops.testing import assert_rel_rms, rel_rms
 
 HEAD_DIM = 32
+TRITON_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+DEV = device.current_device()
 
 
 def qwen35_rotary(partial=0.5, section=(3, 3, 2)):
@@ -113,3 +119,84 @@ def test_bad_inputs_raise():
     cos, sin = rope_cos_sin(torch.zeros(2, 3, dtype=torch.long), inv)
     with pytest.raises(ValueError, match="cos/sin"):
         apply_rotary_pos_emb(torch.randn(2, 4, 1, HEAD_DIM), torch.randn(2, 4, 1, HEAD_DIM), cos, sin)
+
+
+def triton_case(B, T, H, HKV, K, R, dtype, strided=True):
+    """q as the first K features of a [B, T, H, 2K] projection (strided, as the model's split), k
+    from a [B, HKV, T, K] tensor (head-major strides); cos/sin from real positions in `dtype`."""
+    q = torch.randn(B, T, H, 2 * K, device=DEV).to(dtype)[..., :K]
+    k = torch.randn(B, HKV, T, K, device=DEV).to(dtype).transpose(1, 2)
+    if not strided:
+        q, k = q.contiguous(), k.contiguous()
+    pos = (torch.arange(T, device=DEV) * 7 + 3).expand(B, T)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(K, 1e6, R / K, device=DEV), dtype=dtype)
+    return q, k, cos, sin
+
+
+def check_triton_vs_fp64(q, k, cos, sin, dtype):
+    R = cos.shape[-1]
+    a = [t.clone().requires_grad_() for t in (q, k)]
+    out = apply_rotary_pos_emb(*a, cos, sin, impl="triton")
+    a64 = [t.detach().double().requires_grad_() for t in (q, k)]
+    ref = apply_rotary_pos_emb_ref(*a64, cos.double(), sin.double())
+    dy = [torch.randn_like(r) for r in ref]
+    sum((o * d.to(dtype)).sum() for o, d in zip(out, dy)).backward()
+    sum((r * d).sum() for r, d in zip(ref, dy)).backward()
+    assert out[0].dtype == out[1].dtype == dtype
+    golden, got = (*ref, a64[0].grad, a64[1].grad), (*out, a[0].grad, a[1].grad)
+    for name, r, o in zip(("q", "k", "dq", "dk"), golden, got):
+        assert_rel_rms(name, r, o, TRITON_TOL[dtype])
+    for x, o in zip((q, k), out):
+        assert torch.equal(o[..., R:], x[..., R:])  # features past rotary_dim: a bitwise copy
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K,R", [(24, 8), (16, 16)], ids=["K24-partial8", "K16-full"])
+def test_triton_matches_fp64(nan_poison, dtype, K, R):
+    """Odd head width with partial rotary, and full rotary; strided q/k read in place."""
+    check_triton_vs_fp64(*triton_case(2, 5, 3, 1, K, R, dtype), dtype)
+
+
+def test_triton_strided_equals_contiguous_and_is_deterministic():
+    q, k, cos, sin = triton_case(1, 6, 2, 2, 24, 8, torch.float32)
+    q_before, k_before = q.clone(), k.clone()
+    first = apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    again = apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    dense = apply_rotary_pos_emb(q.contiguous(), k.contiguous(), cos, sin, impl="triton")
+    # a last dim that is not contiguous (every other feature of a wider tensor) is copied first
+    wide = torch.stack([q, torch.full_like(q, float("nan"))], -1).flatten(-2)[..., ::2]
+    assert wide.stride(-1) == 2
+    copied = apply_rotary_pos_emb(wide, k, cos, sin, impl="triton")
+    for a, b, c, d in zip(first, again, dense, copied):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # out of place
+
+
+def test_triton_bad_inputs_raise():
+    q, k, cos, sin = triton_case(1, 3, 1, 1, 24, 8, torch.float32)
+    with pytest.raises(ValueError, match="cos/sin"):
+        apply_rotary_pos_emb(q, k, cos[:, :2], sin[:, :2], impl="triton")
+    with pytest.raises(ValueError, match="no gradient"):
+        apply_rotary_pos_emb(q, k, cos.requires_grad_(), sin, impl="triton")
+    big = torch.zeros(1, 3, 1, 512)
+    with pytest.raises(ValueError, match="up to 256"):
+        apply_rotary_pos_emb(big, big, cos.detach(), sin, impl="triton")
+    empty = apply_rotary_pos_emb(q[:, :0], k[:, :0], cos.detach()[:, :0], sin[:, :0], impl="triton")
+    assert empty[0].shape == (1, 0, 1, 24) and empty[1].shape == (1, 0, 1, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "H,HKV,K,R", [(16, 2, 256, 64), (32, 4, 128, 128)], ids=["qwen3.5-partial64", "qwen3moe-full128"]
+)
+def test_gpu_triton_qwen_shapes(H, HKV, K, R):
+    q, k, cos, sin = triton_case(2, 2048, H, HKV, K, R, torch.bfloat16)
+    out = check_triton_vs_fp64(q, k, cos, sin, torch.bfloat16)
+    # one rounding in fp32 is at least as close to fp64 as the reference's bf16 products and sum
+    ref64 = apply_rotary_pos_emb_ref(q.double(), k.double(), cos.double(), sin.double())
+    ref16 = apply_rotary_pos_emb_ref(q, k, cos, sin)
+    for r64, r16, o in zip(ref64, ref16, out):
+        assert rel_rms(r64, o) <= rel_rms(r64, r16)
+    again = apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    assert all(torch.equal(a, b.detach()) for a, b in zip(again, out))
