@@ -192,6 +192,7 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
                 cu_seq_lens_k=cu,
                 max_length_q=T,
                 max_length_k=T,
+                use_cache=False,  # its generated GDN code reads conv states off a cache transformers 5.17 lacks
             )
             loss = out.loss
         else:
