@@ -3,10 +3,19 @@
 The dispatched `attention` callable is `causal_attention_ref`'s contract.
 """
 
+from .. import device
 from ..dispatch import resolve
 from .reference import causal_attention_ref
 
-IMPLS = {"torch": "verl_moe.ops.attention.reference:causal_attention_ref"}
+IMPLS = {
+    "torch": "verl_moe.ops.attention.reference:causal_attention_ref",
+    "varlen": "verl_moe.ops.attention.varlen:causal_attention_varlen",
+    "flex": "verl_moe.ops.attention.flex:causal_attention_flex",
+}
+# cuda: flash attention's varlen kernel, all packed sequences in one call (fp16/bf16; an fp32 model on
+# cuda needs attention "torch" or "flex"). npu keeps the per-sequence reference until the
+# npu_fusion_attention path of "varlen" has run on an NPU.
+ACCELERATOR_DEFAULT = "varlen" if device.device_type() == "cuda" else "torch"
 
 
 def causal_attention(q, k, v, scale=None, cu_seqlens=None, impl: str | None = None):
@@ -15,4 +24,4 @@ def causal_attention(q, k, v, scale=None, cu_seqlens=None, impl: str | None = No
     return resolve("attention", impl)(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["IMPLS", "causal_attention", "causal_attention_ref"]
+__all__ = ["ACCELERATOR_DEFAULT", "IMPLS", "causal_attention", "causal_attention_ref"]
