@@ -1,7 +1,8 @@
-"""RMSNorm (plain, (1 + weight), and silu-gated), the norms of Qwen3.5-MoE and Qwen3-MoE.
+"""RMSNorm (plain, (1 + weight), and silu-gated, optionally fused with the residual add), the norms of
+Qwen3.5-MoE and Qwen3-MoE.
 
 The dispatched `norm` callable is `rms_norm_ref`'s contract: `(x, weight, eps, unit_offset=False,
-gate=None)`.
+gate=None, residual=None)`; with `residual` it returns `(norm(x + residual), x + residual)`.
 """
 
 from __future__ import annotations
@@ -11,16 +12,25 @@ import torch
 from ..dispatch import resolve
 from .reference import rms_norm_ref
 
-IMPLS = {"torch": "verl_moe.ops.norm.reference:rms_norm_ref"}
+IMPLS = {
+    "torch": "verl_moe.ops.norm.reference:rms_norm_ref",
+    "triton": "verl_moe.ops.norm.fused:rms_norm",
+}
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, unit_offset: bool = False, impl: str | None = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
+    residual: torch.Tensor | None = None,
+    impl: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim. x: [..., D] any float dtype; weight: [D], used as (1 + weight)
     when unit_offset (Qwen3.5) else as weight (Qwen3-MoE). Normalisation in fp32, returns x.dtype.
+    residual: optional [..., D] in x.dtype; then returns (norm(h), h) with h = x + residual in x.dtype.
     Raises ValueError on shape/dtype mismatch."""
-    return resolve("norm", impl)(x, weight, eps, unit_offset=unit_offset)
+    return resolve("norm", impl)(x, weight, eps, unit_offset=unit_offset, residual=residual)
 
 
 def gated_rms_norm(

@@ -8,6 +8,8 @@ are reproduced exactly:
   before the weight multiplies it (transformers' Llama-style order).
 - gated (Qwen3.5 GatedDeltaNet output): `y = ((w * x_hat.to(x.dtype)).float() * silu(gate.float()))
   .to(x.dtype)`, as `Qwen3_5MoeRMSNormGated` computes it.
+- residual: `h = x + residual` in x.dtype (the decoder layer's `hidden = hidden + x`), then the norm
+  of h; returns `(norm(h), h)`.
 
 x_hat = x * rsqrt(mean(x^2) + eps) is computed in fp32 (fp64 for fp64 inputs).
 """
@@ -22,8 +24,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None) -> None:
-    """Raise ValueError unless x is a float [..., D], weight is [D] and gate (if any) matches x."""
+def check_norm_inputs(
+    x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, residual: torch.Tensor | None = None
+) -> None:
+    """Raise ValueError unless x is a float [..., D], weight is [D], gate (if any) has x's shape and
+    residual (if any) has x's shape and dtype."""
     if not x.is_floating_point() or not weight.is_floating_point():
         raise ValueError(f"rms_norm needs floating point x and weight, got {x.dtype} and {weight.dtype}")
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -32,6 +37,11 @@ def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor 
         )
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gated rms_norm: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
 
 
 def rms_norm_ref(
@@ -40,8 +50,10 @@ def rms_norm_ref(
     eps: float = 1e-6,
     unit_offset: bool = False,
     gate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """RMSNorm over the last dim, optionally gated by silu(gate) (the dispatched `norm` op).
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, optionally gated by silu(gate), optionally of x + residual (the
+    dispatched `norm` op).
 
     Args:
         x: [..., D] any float dtype.
@@ -49,14 +61,18 @@ def rms_norm_ref(
         eps: added to mean(x^2).
         unit_offset: Qwen3.5's (1 + weight) convention; cannot be combined with gate.
         gate: optional [..., D]; output is multiplied by silu(gate) (Qwen3.5 GatedDeltaNet norm).
+        residual: optional [..., D] in x.dtype; the norm is taken of h = x + residual (added in x.dtype).
     Returns:
-        [..., D] in x.dtype.
+        [..., D] in x.dtype; with residual the tuple (norm(h), h), both [..., D] in x.dtype.
     Raises:
         ValueError: shape or dtype mismatch, or unit_offset together with gate.
     """
-    check_norm_inputs(x, weight, gate)
+    check_norm_inputs(x, weight, gate, residual)
     if gate is not None and unit_offset:
         raise ValueError("gated rms_norm uses the plain weight convention; unit_offset=True is not defined")
+    if residual is not None:
+        h = x + residual
+        return rms_norm_ref(h, weight, eps, unit_offset, gate), h
     cd = _compute_dtype(x)
     xf = x.to(cd)
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
