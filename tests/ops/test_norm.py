@@ -291,12 +291,14 @@ def test_bench_runs_its_reference_on_cpu(monkeypatch):
 def test_gpu_qwen_shapes_match_reference(dtype, variant, residual, shape):
     dev = device.current_device()
     leaves, cot = _make(shape, dtype, variant, residual, device=dev)
-    outs, _ = _check_against_fp64(leaves, cot, variant == "unit_offset", KERNEL_TOL[dtype])
-    ref = rms_norm_ref(**leaves, eps=EPS, unit_offset=variant == "unit_offset")
-    ref = ref[0] if residual else ref
-    assert (outs[0] != ref).float().mean().item() <= 1e-2
-    again = _forward_backward(fused.rms_norm, leaves, cot, variant == "unit_offset")[0]
-    assert all(torch.equal(a, b) for a, b in zip(outs, again))
+    outs, grads = _check_against_fp64(leaves, cot, variant == "unit_offset", KERNEL_TOL[dtype])
+    if dtype == torch.bfloat16:  # the reference's rounding points (fp32 outputs differ in ulps of x_hat)
+        ref = rms_norm_ref(**leaves, eps=EPS, unit_offset=variant == "unit_offset")
+        ref = ref[0] if residual else ref
+        assert (outs[0] != ref).float().mean().item() <= 1e-2
+    again_outs, again_grads = _forward_backward(fused.rms_norm, leaves, cot, variant == "unit_offset")
+    assert all(torch.equal(a, b) for a, b in zip(outs, again_outs))
+    assert all(torch.equal(grads[n], again_grads[n]) for n in grads)
 
 
 @pytest.mark.gpu
