@@ -1,0 +1,106 @@
+"""One-token step of the depthwise causal conv1d (GatedDeltaNet's short conv), for decoding.
+
+A sequence's conv state is its last W-1 conv inputs [C, W-1], oldest first, zeros before the
+sequence start. Stepping one token x: window = [state | x] [C, W], out = act(sum_w weight[:, w] *
+window[:, w] + bias), state' = window[:, 1:]. Stepping a whole sequence from a zero state gives
+`causal_conv1d_ref` of that sequence; `conv1d_state_from_prefill` is the state a prefill leaves.
+
+The op resolves as `resolve("conv1d.step")` (IMPLS below). No Triton kernel: a step is one
+multiply-add over [N, C, W], which torch runs in a single fused pass on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..varlen import check_cu_seqlens, seq_bounds
+from .reference import ACTIVATIONS
+
+IMPLS = {
+    "torch": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
+}
+
+
+def check_conv1d_step_inputs(x, conv_state, weight, bias, activation) -> None:
+    """Raise ValueError for shapes, dtypes or activation the step cannot take."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, C], got {tuple(x.shape)}")
+    N, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, W] with C={C}, got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if tuple(conv_state.shape) != (N, C, W - 1):
+        raise ValueError(f"conv_state must be [N, C, W-1] = {(N, C, W - 1)}, got {tuple(conv_state.shape)}")
+    if not (x.is_floating_point() and weight.is_floating_point() and conv_state.is_floating_point()):
+        raise ValueError(
+            f"x, conv_state, weight must be floating point, got {x.dtype}, {conv_state.dtype}, {weight.dtype}"
+        )
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"bias must be [C] with C={C}, got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def causal_conv1d_step_ref(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advance N sequences by one token each (the dispatched `conv1d.step` op).
+
+    Args:
+        x: [N, C] this token's conv inputs, one row per sequence.
+        conv_state: [N, C, W-1] the previous W-1 inputs of each sequence, oldest first.
+        weight: [C, W] taps; tap W-1 multiplies the current token. bias: optional [C].
+        activation: "silu" (alias "swish") or None.
+    Returns:
+        out: [N, C] in x's dtype (math in fp32, fp64 for fp64 inputs);
+        new_state: [N, C, W-1] in conv_state's dtype (a new tensor; the input is not written).
+    Raises:
+        ValueError: bad shapes, dtypes or activation.
+    """
+    check_conv1d_step_inputs(x, conv_state, weight, bias, activation)
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W], values as stored
+    out = (window.to(cd) * weight.to(cd)).sum(-1)
+    if bias is not None:
+        out = out + bias.to(cd)
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype), window[..., 1:].to(conv_state.dtype)
+
+
+def conv1d_state_from_prefill(
+    x: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The conv state each sequence has after its prompt: its last W-1 conv inputs, zero-padded on
+    the left when the prompt is shorter than W-1.
+
+    Args:
+        x: [B, T, C] conv inputs of the prompts (B == 1 with cu_seqlens [N+1], else one per row).
+        width: the conv width W. dtype: state dtype, default x's.
+    Returns:
+        [N, C, W-1] (N = B without cu_seqlens).
+    Raises:
+        ValueError: bad shapes or cu_seqlens.
+    """
+    if x.dim() != 3 or width < 1:
+        raise ValueError(f"x must be [B, T, C] and width >= 1, got {tuple(x.shape)} and {width}")
+    B, T, C = x.shape
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={B}")
+        check_cu_seqlens(cu_seqlens, T)
+    rows = [(b, s, e) for b in range(B) for s, e in seq_bounds(cu_seqlens, T)]
+    state = x.new_zeros(len(rows), C, width - 1, dtype=dtype or x.dtype)
+    for n, (b, s, e) in enumerate(rows):
+        take = min(width - 1, e - s)
+        if take:
+            state[n, :, width - 1 - take :] = x[b, e - take : e].transpose(0, 1)
+    return state
+
+
+__all__ = ["IMPLS", "causal_conv1d_step_ref", "check_conv1d_step_inputs", "conv1d_state_from_prefill"]
