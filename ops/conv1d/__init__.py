@@ -8,6 +8,7 @@ from .reference import causal_conv1d_ref
 
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.reference:causal_conv1d_ref",
+    "triton": "verl_moe.ops.conv1d.conv:causal_conv1d",
 }
 
 

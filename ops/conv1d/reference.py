@@ -60,8 +60,15 @@ def causal_conv1d_ref(
     W = weight.shape[1]
     w = weight.to(cd).unsqueeze(1)  # [C, 1, W] for grouped conv1d
     b = None if bias is None else bias.to(cd)
+    if T == 0:
+        # No tokens: an empty result that is still a function of the inputs, so backward gives an
+        # empty dx and zero dweight / dbias instead of failing.
+        out = x.to(cd) * w[:, 0, -1] + (0.0 if b is None else b)
+        return (F.silu(out) if activation is not None else out).to(x.dtype)
     out = torch.empty(B, T, C, dtype=cd, device=x.device)
     for s, e in seq_bounds(cu_seqlens, T):
+        if e == s:  # an empty packed sequence: nothing to compute (F.conv1d refuses a W-1 long input)
+            continue
         seg = x[:, s:e].to(cd).transpose(1, 2)  # [B, C, T_seq]
         y = F.conv1d(F.pad(seg, (W - 1, 0)), w, b, groups=C)
         out[:, s:e] = y.transpose(1, 2)

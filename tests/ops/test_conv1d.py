@@ -1,17 +1,28 @@
-"""Depthwise causal conv1d + SiLU over packed sequences vs an explicit fp64 loop.
+"""Depthwise causal conv1d + SiLU over packed sequences: the reference vs an explicit fp64 loop, and
+our Triton kernels (`ops/conv1d/conv.py`, in the interpreter on CPU) vs the reference run in fp64.
 
-Tolerances (rel RMS vs the fp64 loop):
-| dtype | out  | dx, dw, dbias |
-| fp32  | 1e-6 | 1e-5          |
-| bf16  | 1e-2 | -             |
+Tolerances (rel RMS vs the fp64 loop / the fp64 reference):
+| impl   | dtype | out  | dx, dw, dbias |
+| torch  | fp32  | 1e-6 | 1e-5          |
+| torch  | bf16  | 1e-2 | -             |
+| triton | fp32  | 1e-5 | 1e-5          |
+| triton | bf16  | 1e-2 | 1e-2          |
 """
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from verl_moe.ops.conv1d import causal_conv1d
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops import device
 
+if not device.is_accelerator():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from verl_moe.ops.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
+from verl_moe.ops.testing import assert_rel_rms  # noqa: E402
+
+DEV = device.current_device()
 LENGTHS = [5, 1, 9, 3]  # includes a length-1 sequence and one shorter than the kernel
 C, W = 12, 4
 
@@ -94,3 +105,133 @@ def test_bad_inputs_raise():
         causal_conv1d(x, w[:-1], b)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x, w, b, activation="gelu")
+
+
+def test_reference_empty_sequences_and_no_tokens():
+    """Issue 13: an empty packed sequence, or T == 0, gives the correct (empty) result and gradients."""
+    lengths = [3, 0, 7]
+    x = torch.randn(1, 10, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, W, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    out = causal_conv1d_ref(x, w, b, cu_seqlens=cu)
+    assert_rel_rms("out", loop_formula(x, w, b, lengths), out, 1e-12)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad((out * dy).sum(), (x, w, b))
+    ref = torch.autograd.grad((loop_formula(x, w, b, lengths) * dy).sum(), (x, w, b))
+    for name, r, g in zip(("dx", "dw", "dbias"), ref, got):
+        assert_rel_rms(name, r, g, 1e-12)
+    for x0, cu0 in ((torch.randn(2, 0, C), None), (torch.randn(1, 0, C), torch.tensor([0, 0], dtype=torch.int32))):
+        x0.requires_grad_()
+        out = causal_conv1d_ref(x0, w.float(), b.float(), cu_seqlens=cu0)
+        assert out.shape == x0.shape
+        dx, dw, db = torch.autograd.grad(out.sum(), (x0, w, b))
+        assert dx.shape == x0.shape and not dw.any() and not db.any()
+
+
+# ---- Triton kernels (interpreter on CPU) against the reference run in fp64 ----
+
+TRITON_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def run_with_grads(fn, x, w, b, dy, activation, cu):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
+    xl, wl, bl = leaves[0], leaves[1], leaves[2] if b is not None else None
+    out = fn(xl, wl, bl, activation=activation, cu_seqlens=cu)
+    return out, torch.autograd.grad((out.double() * dy.double()).sum(), leaves)
+
+
+def check_triton(B, lengths_or_T, C_, dtype, bias=True, activation="silu", x=None, seed=0):
+    """Out, dx, dweight (and dbias) of the Triton op against causal_conv1d_ref in fp64, on inputs
+    drawn from `seed` (x unless given)."""
+    torch.manual_seed(seed)
+    if isinstance(lengths_or_T, list):
+        T = sum(lengths_or_T)
+        cu = torch.tensor([0, *torch.tensor(lengths_or_T).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    else:
+        T, cu = lengths_or_T, None
+    x = torch.randn(B, T, C_, device=DEV).to(dtype) if x is None else x
+    w = (torch.randn(C_, W, device=DEV) * 0.5).to(dtype)
+    b = (torch.randn(C_, device=DEV) * 0.1).to(dtype) if bias else None
+    dy = torch.randn(B, T, C_, device=DEV).to(dtype)
+    out, grads = run_with_grads(lambda *a, **k: causal_conv1d(*a, impl="triton", **k), x, w, b, dy, activation, cu)
+    assert out.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == dtype
+    ref, ref_grads = run_with_grads(
+        causal_conv1d_ref, x.double(), w.double(), None if b is None else b.double(), dy, activation, cu
+    )
+    tol = TRITON_TOL[dtype]
+    for name, r, g in zip(("out", "dx", "dw", "dbias"), (ref, *ref_grads), (out, *grads)):
+        if r.numel():
+            assert_rel_rms(name, r, g, tol)
+        else:
+            assert g.shape == r.shape and not g.any(), name
+    return out, grads
+
+
+# Empty, length-1 and shorter-than-W sequences; one crossing the 64-row backward group boundary.
+VARLEN = [5, 0, 1, 9, 3, 0, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_varlen_matches_fp64(dtype, nan_poison):
+    check_triton(1, VARLEN, 72, dtype)  # C = 72: a partial channel block
+
+
+def test_triton_long_rows_no_activation(nan_poison):
+    # 150 rows: three backward row groups, sequence boundaries at and around the group edges 64, 128
+    check_triton(1, [63, 1, 0, 64, 22], 8, torch.float32, activation=None)
+
+
+def test_triton_no_bias(nan_poison):
+    check_triton(1, [6, 1, 3], 8, torch.float32, bias=False)
+
+
+N_CONFIGS = 6  # the longer of conv.FWD_CONFIGS / conv.BWD_CONFIGS (asserted below)
+
+
+@pytest.mark.parametrize("i", range(1, N_CONFIGS))
+def test_triton_every_config_matches_fp64(i, monkeypatch, nan_poison):
+    """The interpreter runs the first config only (the other tests) and a GPU autotunes over all:
+    run config i first."""
+    from verl_moe.ops.conv1d import conv
+
+    assert max(len(conv.FWD_CONFIGS), len(conv.BWD_CONFIGS)) == N_CONFIGS
+    monkeypatch.setattr(conv, "FWD_CONFIGS", [conv.FWD_CONFIGS[i % len(conv.FWD_CONFIGS)]])
+    monkeypatch.setattr(conv, "BWD_CONFIGS", [conv.BWD_CONFIGS[i % len(conv.BWD_CONFIGS)]])
+    check_triton(1, [40, 1, 0, 30, 2], 8, torch.float32)  # 73 rows: two backward row groups
+
+
+def test_triton_batch_rows_and_no_tokens(nan_poison):
+    check_triton(3, 7, 12, torch.float32)  # B > 1, no cu_seqlens: each row its own sequence
+    check_triton(2, 0, 12, torch.float32)  # T == 0
+    check_triton(1, [0], 12, torch.float32)  # one empty packed sequence
+
+
+def test_triton_non_contiguous_input_and_determinism():
+    x = torch.randn(1, 12, 40, device=DEV).transpose(1, 2).contiguous().transpose(1, 2)  # [1, 12, 40] strided
+    assert not x.is_contiguous()
+    out, grads = check_triton(1, [4, 8], 40, torch.float32, x=x)
+    out2, grads2 = check_triton(1, [4, 8], 40, torch.float32, x=x.contiguous())
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_triton_refuses_fp64():
+    x, w, b, cu = inputs()
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        causal_conv1d(x.double(), w.double(), b.double(), cu_seqlens=cu, impl="triton")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        causal_conv1d(x, w, b, cu_seqlens=torch.tensor([0, 9, 4, 18], dtype=torch.int32), impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_qwen_shapes_match_fp64_and_are_deterministic(dtype):
+    """Qwen3.5 GDN conv: C = 2 * 16 * 128 + 32 * 128 = 8192, W = 4, no bias, 8192 tokens in 64 sequences
+    (with a length-1, an empty and a length-3 one)."""
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(8191, generator=gen)[:60].add(1).sort().values.tolist()
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, 8192 - 5])] + [1, 0, 3, 1]
+    assert sum(lengths) == 8192
+    runs = [check_triton(1, lengths, 8192, dtype, bias=False) for _ in range(2)]
+    (out, grads), (out2, grads2) = runs
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
