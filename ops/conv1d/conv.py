@@ -6,13 +6,15 @@ W shifted loads of the tile (the W - 1 halo rows come from cache, so DRAM reads 
 once). A token's sequence start is found in the kernel by a binary search of `cu_seqlens` (no
 per-token table, no host copy); plain [B, T] input uses row // T.
 
-Backward saves x only (in its dtype): the pre-activation is recomputed. With u = t + k (k < W) the
-tokens whose outputs read x[t], dpre[u] = dy[u] * silu'(pre[u]) and dx[t] = sum_k weight[c, W-1-k]
-* dpre[u] over the u of t's own sequence; pre[u] is recomputed from u's own masked taps for each k
-(W * W shifted loads per tile, served from cache: every dpre value stays in the program that uses it,
-so nothing is written twice and there are no atomics). dweight / dbias: each program owns a group of
-rows x BC channels and sums its rows in fp32 into its own slot of [n_groups, C, W] / [n_groups, C],
-reduced once by torch: bitwise reproducible for a fixed config.
+Backward saves x only (in its dtype): the pre-activation is recomputed. x[t] feeds the outputs
+u = t + k (k < W) through tap W - 1 - k, so dx[t] = sum_k weight[c, W-1-k] * dpre[u] over the u of
+t's own sequence, with dpre[u] = dy[u] * silu'(pre[u]) and pre[u] recomputed in the program from
+x masked at t's sequence start (outputs past t's sequence end are dropped, so their taps never
+matter). The 2W - 1 shifted x tiles this reads come from cache (the compiler merges the loads of a
+shift that several taps share); every dpre value stays in the program that uses it, so nothing is
+written twice and there are no atomics. dweight / dbias: each program owns a group of rows x BC
+channels and sums its rows in fp32 into its own slot of [n_groups, C, W] / [n_groups, C], reduced
+once by torch: bitwise reproducible for a fixed config.
 """
 
 from __future__ import annotations

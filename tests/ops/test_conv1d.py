@@ -141,7 +141,7 @@ def run_with_grads(fn, x, w, b, dy, activation, cu):
     return out, torch.autograd.grad((out.double() * dy.double()).sum(), leaves)
 
 
-def check_triton(B, lengths_or_T, C_, dtype, bias=True, activation="silu", x=None, seed=0):
+def check_triton(B, lengths_or_T, C_, dtype, bias=True, activation="silu", x=None, seed=0, W=W):
     """Out, dx, dweight (and dbias) of the Triton op against causal_conv1d_ref in fp64, on inputs
     drawn from `seed` (x unless given)."""
     torch.manual_seed(seed)
@@ -182,8 +182,10 @@ def test_triton_long_rows_no_activation(nan_poison):
     check_triton(1, [63, 1, 0, 64, 22], 8, torch.float32, activation=None)
 
 
-def test_triton_no_bias(nan_poison):
+def test_triton_no_bias_and_odd_widths(nan_poison):
     check_triton(1, [6, 1, 3], 8, torch.float32, bias=False)
+    check_triton(1, [6, 1, 2], 8, torch.float32, W=3)
+    check_triton(1, [4, 1], 8, torch.float32, W=1)
 
 
 N_CONFIGS = 6  # the longer of conv.FWD_CONFIGS / conv.BWD_CONFIGS (asserted below)
