@@ -228,10 +228,10 @@ def test_triton_refuses_fp64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_qwen_shapes_match_fp64_and_are_deterministic(dtype):
-    """Qwen3.5 GDN conv: C = 2 * 16 * 128 + 32 * 128 = 8192, W = 4, no bias, 8192 tokens in 64 sequences
+    """Qwen3.5 GDN conv: C = 2 * 16 * 128 + 32 * 128 = 8192, W = 4, no bias, 8192 tokens in 65 sequences
     (with a length-1, an empty and a length-3 one)."""
     gen = torch.Generator().manual_seed(0)
-    cuts = torch.randperm(8191, generator=gen)[:60].add(1).sort().values.tolist()
+    cuts = torch.randperm(8186, generator=gen)[:60].add(1).sort().values.tolist()  # in [1, 8186]
     lengths = [b - a for a, b in zip([0, *cuts], [*cuts, 8192 - 5])] + [1, 0, 3, 1]
     assert sum(lengths) == 8192
     runs = [check_triton(1, lengths, 8192, dtype, bias=False) for _ in range(2)]
