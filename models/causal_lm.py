@@ -61,17 +61,29 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden: [B, T, D] -> (hidden [B, T, D], router_logits [B*T, E] or None for a dense layer)."""
-        x = self.input_layernorm(hidden)
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The residual stream is carried as (branch output, running sum before it), so each residual
+        add is fused into the norm that follows it: the layer's input is residual + hidden (just
+        hidden, the embeddings, when residual is None). Returns (MLP output [B, T, D], the running sum
+        before it [B, T, D], router_logits [B*T, E] or None for a dense layer); their sum is the
+        layer's output hidden state."""
+        if residual is None:
+            x, residual = self.input_layernorm(hidden), hidden
+        else:
+            x, residual = self.input_layernorm(hidden, residual=residual)
         if self.layer_type == "linear_attention":
             x = self.linear_attn(x, cu_seqlens)
         else:
             x = self.self_attn(x, cos, sin, cu_seqlens)
-        hidden = hidden + x
-        x, router_logits = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + x, router_logits
+        x, residual = self.post_attention_layernorm(x, residual=residual)
+        x, router_logits = self.mlp(x)
+        return x, residual, router_logits
 
 
 class MoeTextModel(nn.Module):
@@ -101,14 +113,15 @@ class MoeTextModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         output_router_logits: bool = False,
     ) -> MoeModelOutput:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(position_ids, hidden.dtype)
         router_logits = []
         for layer in self.layers:
-            hidden, logits = layer(hidden, cos, sin, cu_seqlens)
+            hidden, residual, logits = layer(hidden, residual, cos, sin, cu_seqlens)
             if output_router_logits and logits is not None:
                 router_logits.append(logits)
-        return MoeModelOutput(self.norm(hidden), tuple(router_logits) if output_router_logits else None)
+        final = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
+        return MoeModelOutput(final, tuple(router_logits) if output_router_logits else None)
 
 
 class MoeCausalLM(nn.Module):
@@ -191,13 +204,13 @@ class MoeCausalLM(nn.Module):
 def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:
     """Resolve every op the architecture needs, once (dispatch logs each choice). In an fp64 model (a
     reference) "auto" means each op's torch code on every device, whatever VERL_MOE_OPS says: the
-    kernels compute in at most fp32 and refuse fp64 inputs."""
+    kernels compute in at most fp32 and refuse fp64 inputs. Attention's "auto" is the torch code for
+    an fp32 model too: flash attention (the varlen default on cuda) takes 16-bit inputs only."""
     linear = "linear_attention" in arch.layer_types
 
-    auto = "torch" if dtype == torch.float64 else None
-
     def pick(op: str):
-        return resolve(op, ops.impl(op) or auto)
+        wide = dtype == torch.float64 or (op == "attention" and dtype == torch.float32)
+        return resolve(op, ops.impl(op) or ("torch" if wide else None))
 
     return ResolvedOps(
         norm=pick("norm"),

@@ -40,7 +40,8 @@ class ResolvedOps:
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim with a [D] weight; (1 + weight) when unit_offset (Qwen3.5).
-    With `gate`, returns norm(x) * weight * silu(gate) (plain weight only)."""
+    With `gate`, returns norm(x) * weight * silu(gate) (plain weight only). With `residual`, normalises
+    h = x + residual and returns (norm(h), h): the decoder's residual add and norm in one op."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool, ops: ResolvedOps, factory: dict):
         super().__init__()
@@ -52,10 +53,14 @@ class RMSNorm(nn.Module):
         # Both conventions start as the identity scale.
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        if gate is None:
-            return self.ops.norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
-        return self.ops.norm(x, self.weight, self.eps, gate=gate)
+    def forward(
+        self, x: torch.Tensor, gate: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if gate is not None:
+            return self.ops.norm(x, self.weight, self.eps, gate=gate)
+        if residual is not None:
+            return self.ops.norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
+        return self.ops.norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
@@ -161,7 +166,9 @@ class Experts(nn.Module):
         from ..ops.experts.expert_parallel import moe_experts_expert_parallel
 
         gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
-        return moe_experts_expert_parallel(hidden, gate_up, down, topk_idx, topk_weight, self.expert_parallel)
+        return moe_experts_expert_parallel(
+            hidden, gate_up, down, topk_idx, topk_weight, self.expert_parallel, experts=self.ops.experts
+        )
 
 
 class MoeBlock(nn.Module):

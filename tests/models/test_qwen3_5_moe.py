@@ -157,3 +157,7 @@ def test_fp64_model_takes_torch_ops_on_accelerators(monkeypatch):
     fp32 = resolved(vm.build(tiny_qwen3_5_moe_text(), dtype=torch.float32))
     assert fp64.gdn is chunk_gated_delta_rule_ref and fp64.experts is moe_experts_ref
     assert fp32.gdn is chunk_gated_delta_rule and fp32.experts is not moe_experts_ref
+    # flash attention (attention's accelerator default) takes 16-bit inputs: fp32 keeps the torch code
+    from verl_moe.ops.attention.reference import causal_attention_ref
+
+    assert fp32.attention is causal_attention_ref
