@@ -1,25 +1,29 @@
 """Routed experts under expert parallelism (EP): each of the `size` ranks of an EP group holds a
 contiguous block of E / size experts; a token copy travels to the rank that holds its expert and
-its output travels back, with two autograd-aware all-to-alls:
+its output travels back, with autograd-aware all-to-alls:
 
-    copies sorted by expert (so by owner rank) -> all-to-all -> received copies grouped by local
-    expert -> grouped expert MLP -> back to arrival order -> all-to-all back -> weight by the
-    router -> token order [N, TOPK, D] -> sum over TOPK
+    sort the copies by expert (so by owner rank) -> permute token rows to that order -> all-to-all
+    (rows, local expert ids, router weights) -> the local experts: the dispatched experts op over the
+    received rows with TOPK = 1 (it sorts them by local expert, weights them, and returns them in
+    arrival order) -> all-to-all back -> each token's TOPK rows summed (fp32)
 
-The router weights never travel: the combine happens on the token's own rank, in
-promote(hidden dtype, router dtype) as in the single-rank ops. Deterministic: stable sorts,
-no atomics. Works with any backend that implements `all_to_all_single` (NCCL, HCCL, gloo).
+The sort, the permutation and the sum are the token moves of the experts implementation in use
+(`grouped.token_moves_for`): the Triton kernels with "triton", torch ops otherwise. Weighted rows come
+back, so the sum needs no weights and the [S, D] outputs are not saved for the weights' gradient.
+Deterministic: stable sorts, no atomics. Works with any backend that implements `all_to_all_single`
+(NCCL, HCCL, gloo).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from .grouped import grouped_swiglu
+from ..dispatch import resolve
+from .grouped import token_moves_for
 from .reference import check_experts_inputs
 
 
@@ -52,6 +56,22 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Autograd-aware all_to_all_single on dim 0 with plain tensors out (the functional collectives
+    return lazy wrapper tensors, which Triton kernels cannot read); backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv_split: list[int], send_split: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (send_split, recv_split), group
+        out = x.new_empty((sum(recv_split), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_split, send_split, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
+
+
 def _exchange_counts(send_counts: torch.Tensor, ep: ExpertParallelGroup) -> list[int]:
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
@@ -65,40 +85,40 @@ def moe_experts_expert_parallel(
     topk_idx: torch.Tensor,
     topk_weight: torch.Tensor,
     ep: ExpertParallelGroup,
+    experts: Callable | None = None,
 ) -> torch.Tensor:
-    """hidden [N, D] and topk_idx / topk_weight [N, TOPK] of this rank's tokens (global expert ids);
-    gate_up_local [E / ep.size, 2I, D] and down_local [E / ep.size, D, I] are this rank's experts
-    (global ids ep.rank * E_local ...). Returns [N, D] in hidden's dtype, equal to the single-rank
-    op over the full weights. Every rank of the group must call it (collective)."""
+    """hidden [N, D] (N may be 0) and topk_idx / topk_weight [N, TOPK] of this rank's tokens (global
+    expert ids); gate_up_local [E / ep.size, 2I, D] and down_local [E / ep.size, D, I] are this rank's
+    experts (global ids ep.rank * E_local ...). `experts`: the dispatched experts callable for the
+    local experts (`moe_experts_ref`'s contract; default `resolve("experts")`), whose token moves
+    this op uses too. Returns [N, D] in hidden's dtype, equal to the single-rank op over the full
+    weights. Every rank of the group must call it (collective). Raises ValueError (before any
+    communication) as `check_experts_inputs`."""
     E_local = gate_up_local.shape[0]
     check_experts_inputs(hidden, gate_up_local, down_local, topk_idx, topk_weight, num_experts=E_local * ep.size)
+    experts = resolve("experts") if experts is None else experts
+    moves = token_moves_for(experts)
     N, TOPK = topk_idx.shape
     flat_idx = topk_idx.reshape(-1)
-    order = torch.argsort(flat_idx, stable=True)
-    sorted_idx = flat_idx[order]
-    owner = torch.div(sorted_idx, E_local, rounding_mode="floor")
-    send_counts = torch.bincount(owner, minlength=ep.size)
+    routing = moves.sort(flat_idx, E_local * ep.size)
+    send_counts = routing.counts.view(ep.size, E_local).sum(1)
     send_split = send_counts.tolist()
     recv_split = _exchange_counts(send_counts, ep)
 
-    # expert ids travel without autograd; token rows with it
-    local_ids = (sorted_idx - owner * E_local).to(torch.int64)
+    # expert ids travel without autograd; token rows and router weights with it
+    src = routing.src.long()
+    local_ids = flat_idx[src] % E_local
     recv_ids = local_ids.new_empty(sum(recv_split))
     dist.all_to_all_single(recv_ids, local_ids, recv_split, send_split, group=ep.group)
-    rows = hidden[order // TOPK]
-    recv_rows = all_to_all_single_autograd(rows, recv_split, send_split, ep.group)
+    weight = topk_weight.reshape(-1)
+    weight = weight if weight.dtype == torch.float64 else weight.float()
+    recv_weight = _AllToAll.apply(weight[src], recv_split, send_split, ep.group)
+    rows = moves.permute(hidden, routing, TOPK)
+    recv_rows = _AllToAll.apply(rows, recv_split, send_split, ep.group)
 
-    # rows from each source arrive sorted by expert within the source's block: regroup by expert
     if ep.weight_grad_scale != 1.0:
         gate_up_local = _ScaleGrad.apply(gate_up_local, ep.weight_grad_scale)
         down_local = _ScaleGrad.apply(down_local, ep.weight_grad_scale)
-    by_expert = torch.argsort(recv_ids, stable=True)
-    offsets = torch.bincount(recv_ids, minlength=E_local).cumsum(0).to(torch.int32)
-    out_grouped = grouped_swiglu(recv_rows[by_expert], gate_up_local, down_local, offsets)
-    out_arrival = torch.empty_like(out_grouped).index_copy(0, by_expert, out_grouped)
-
-    out_sorted = all_to_all_single_autograd(out_arrival, send_split, recv_split, ep.group)
-    acc_dtype = torch.promote_types(hidden.dtype, topk_weight.dtype)
-    weighted = out_sorted.to(acc_dtype) * topk_weight.reshape(-1)[order, None].to(acc_dtype)
-    unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
-    return unsorted.view(N, TOPK, -1).sum(1).to(hidden.dtype)
+    out_arrival = experts(recv_rows, gate_up_local, down_local, recv_ids[:, None], recv_weight[:, None])
+    out_sorted = _AllToAll.apply(out_arrival, send_split, recv_split, ep.group)
+    return moves.unpermute(out_sorted, routing, TOPK)

@@ -1,19 +1,31 @@
-"""Routed experts as two grouped GEMMs over expert-sorted token copies (no per-expert launches,
-no atomics: the combine is a gather back to [N, TOPK] and a sum, so results are deterministic).
+"""Routed experts as two grouped GEMMs over expert-sorted token copies (no per-expert launches, no
+atomics: deterministic).
 
-    copies sorted by expert -> grouped GEMM gate_up -> silu(gate) * up -> grouped GEMM down
-    -> weight by the router -> back to token order [N, TOPK, D] -> sum over TOPK
+    sort the N * TOPK copies by expert -> permute token rows to that order -> grouped GEMM gate_up
+    -> w * silu(gate) * up (the router weight applied here) -> grouped GEMM down
+    -> each token's TOPK rows summed (fp32)
 
-The grouped GEMM is `torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype
-and strides; otherwise (fp64, rows not 16-byte aligned, NPU) a loop over the expert segments.
+Two sets of token moves run this pipeline: `TRITON_MOVES` (counting sort, row scatter/gather-sum and
+the weighted SwiGLU as Triton kernels, `permute.py` / `swiglu.py`) and `TORCH_MOVES` (argsort and
+indexing, `reference.py`), as the "triton" and "grouped" implementations. The grouped GEMM is
+`torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype and strides; otherwise
+(fp64, rows not 16-byte aligned, NPU) a loop over the expert segments.
+
+Numerics: the combine weights multiply silu(gate) * up in fp32 (before the down projection, which is
+linear) and each token's TOPK outputs are summed in fp32; outputs in hidden's dtype. For fp32 inputs
+every step is fp32, as `moe_experts_ref`; for bf16 the down input w * a is rounded once to bf16 where
+the reference rounds a (the same error size).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from .reference import check_experts_inputs
+from .reference import check_experts_inputs, empty_experts, permute_ref, sort_ref, swiglu_ref, unpermute_ref
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -29,8 +41,8 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x: [S, IN] rows sorted by group; weight: [E, OUT, IN]; offsets: [E] int32 cumulative row ends.
     Returns [S, OUT]: row s of group e is x[s] @ weight[e].T."""
-    w_t = weight.transpose(-2, -1)  # [E, IN, OUT]
-    if x.shape[0] == 0:  # no rows (an expert-parallel rank that received no tokens): keep a weight gradient
+    w_t = weight.contiguous().transpose(-2, -1)  # [E, IN, OUT]; grouped_mm takes this (column-major) layout
+    if x.shape[0] == 0:  # no rows: keep the graph to the weight (a zero gradient)
         return x @ w_t[0] + 0 * weight.sum()
     if _grouped_mm_ok(x, weight):
         return F.grouped_mm(x, w_t, offs=offsets)
@@ -39,33 +51,78 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return torch.cat([x[s:e] @ w_t[g] for g, (s, e) in enumerate(zip(starts, ends))], dim=0)
 
 
-def grouped_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, offsets: torch.Tensor):
-    """The expert MLP down(silu(gate) * up) of rows x [S, D] sorted by expert (`offsets` as in
-    `grouped_linear`) -> [S, D]."""
-    I = down_proj.shape[2]
-    h = grouped_linear(x, gate_up_proj, offsets)
-    return grouped_linear(F.silu(h[:, :I]) * h[:, I:], down_proj, offsets)
+@dataclass(frozen=True)
+class TokenMoves:
+    """The token-movement steps of the grouped pipeline (contracts of `reference.py`'s sort_ref,
+    permute_ref, swiglu_ref, unpermute_ref)."""
+
+    name: str
+    sort: Callable
+    permute: Callable
+    swiglu: Callable
+    unpermute: Callable
 
 
-def moe_experts_grouped(
-    hidden: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weight: torch.Tensor,
-) -> torch.Tensor:
-    """Same contract as `moe_experts_ref`: hidden [N, D], gate_up_proj [E, 2I, D], down_proj
-    [E, D, I], topk_idx / topk_weight [N, TOPK] -> [N, D] in hidden's dtype; the combine runs in
-    promote(hidden dtype, topk_weight dtype)."""
-    check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TORCH_MOVES = TokenMoves("torch", sort_ref, permute_ref, swiglu_ref, unpermute_ref)
+
+
+def _triton_moves() -> TokenMoves:
+    from .permute import moe_sort, permute_triton, unpermute_triton
+    from .swiglu import swiglu_triton
+
+    return TokenMoves("triton", moe_sort, permute_triton, swiglu_triton, unpermute_triton)
+
+
+def grouped_experts(hidden, gate_up_proj, down_proj, topk_idx, topk_weight, moves: TokenMoves) -> torch.Tensor:
+    """The grouped pipeline with `moves` (inputs checked by the caller); `moe_experts_ref`'s contract."""
     N, TOPK = topk_idx.shape
+    if N == 0:
+        return empty_experts(hidden, gate_up_proj, down_proj, topk_weight)
     E = gate_up_proj.shape[0]
-    flat_idx = topk_idx.reshape(-1)
-    order = torch.argsort(flat_idx, stable=True)  # stable: a fixed order for equal expert ids
-    counts = torch.bincount(flat_idx, minlength=E)
-    offsets = counts.cumsum(0).to(torch.int32)
-    y = grouped_swiglu(hidden[order // TOPK], gate_up_proj, down_proj, offsets)  # [N*TOPK, D], grouped by expert
-    acc_dtype = torch.promote_types(hidden.dtype, topk_weight.dtype)
-    y = y.to(acc_dtype) * topk_weight.reshape(-1)[order, None].to(acc_dtype)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)  # a permutation: no two writes collide
-    return unsorted.view(N, TOPK, -1).sum(1).to(hidden.dtype)
+    routing = moves.sort(topk_idx.reshape(-1), E)
+    x = moves.permute(hidden, routing, TOPK)  # [S, D], grouped by expert
+    h = grouped_linear(x, gate_up_proj, routing.ends)  # [S, 2I]
+    w = topk_weight.reshape(-1)
+    if w.dtype != torch.float64:
+        w = w.float()  # the combine weights stay in (at least) fp32
+    a = moves.swiglu(h, w, routing.src)  # [S, I] = w * silu(gate) * up
+    y = grouped_linear(a, down_proj, routing.ends)  # [S, D]
+    return moves.unpermute(y, routing, TOPK)
+
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """A dispatched `experts` implementation: the grouped pipeline with one set of token moves.
+    `moves` is what the expert-parallel op uses for its own sort and permutations."""
+
+    moves_name: str
+
+    @property
+    def moves(self) -> TokenMoves:
+        return TORCH_MOVES if self.moves_name == "torch" else _triton_moves()
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Same contract as `moe_experts_ref`: hidden [N, D] (N may be 0), gate_up_proj [E, 2I, D],
+        down_proj [E, D, I], topk_idx / topk_weight [N, TOPK] -> [N, D] in hidden's dtype. Raises
+        ValueError as `check_experts_inputs`, and for fp64 with the Triton moves (fp32 math)."""
+        check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
+        if self.moves_name == "triton" and hidden.dtype not in TRITON_DTYPES:
+            raise ValueError(f"the Triton experts take fp32/bf16/fp16 activations, got {hidden.dtype} (use 'grouped')")
+        return grouped_experts(hidden, gate_up_proj, down_proj, topk_idx, topk_weight, self.moves)
+
+
+moe_experts_grouped = GroupedExperts("torch")
+moe_experts_triton = GroupedExperts("triton")
+
+
+def token_moves_for(experts: Callable) -> TokenMoves:
+    """The token moves that go with a dispatched experts callable (torch ones for `moe_experts_ref`)."""
+    return experts.moves if isinstance(experts, GroupedExperts) else TORCH_MOVES

@@ -10,6 +10,8 @@ so an fp32 router keeps fp32 combine weights even for a bf16 model.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -42,8 +44,29 @@ def check_experts_inputs(
     if not topk_weight.is_floating_point():
         raise ValueError(f"topk_weight must be floating point, got {topk_weight.dtype}")
     E = E if num_experts is None else num_experts
-    if topk_idx.numel() and (topk_idx.min() < 0 or topk_idx.max() >= E):
-        raise ValueError(f"topk_idx values must be in [0, E={E})")
+    if topk_idx.numel():
+        lo, hi = torch.aminmax(topk_idx)  # one device sync
+        if lo < 0 or hi >= E:
+            raise ValueError(f"topk_idx values must be in [0, E={E})")
+
+
+class _EmptyExperts(torch.autograd.Function):
+    """N = 0 tokens: the empty [0, D] output, and zero gradients for every input (no read of the weights)."""
+
+    @staticmethod
+    def forward(ctx, hidden, gate_up_proj, down_proj, topk_weight):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in (hidden, gate_up_proj, down_proj, topk_weight)]
+        return hidden.new_zeros(hidden.shape)
+
+    @staticmethod
+    def backward(ctx, _dout):
+        return tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes)
+
+
+def empty_experts(hidden, gate_up_proj, down_proj, topk_weight) -> torch.Tensor:
+    """The output for N = 0 tokens (an expert-parallel rank may receive none): [0, D], differentiable,
+    with zero gradients for the weights (the graph still reaches them, so backward runs everywhere)."""
+    return _EmptyExperts.apply(hidden, gate_up_proj, down_proj, topk_weight)
 
 
 def moe_experts_ref(
@@ -67,6 +90,8 @@ def moe_experts_ref(
         ValueError: bad shapes, mixed hidden/weight dtypes, or expert ids out of range.
     """
     check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
+    if hidden.shape[0] == 0:
+        return empty_experts(hidden, gate_up_proj, down_proj, topk_weight)
     acc_dtype = torch.promote_types(hidden.dtype, topk_weight.dtype)
     out = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device)
     I = down_proj.shape[2]
@@ -76,3 +101,45 @@ def moe_experts_ref(
         y = F.linear(F.silu(h[:, :I]) * h[:, I:], down_proj[e])  # [n_e, D]
         out.index_add_(0, token, y.to(acc_dtype) * topk_weight[token, slot, None].to(acc_dtype))
     return out.to(hidden.dtype)
+
+
+class Routing(NamedTuple):
+    """Where the S = N * TOPK token copies go, copy c = t * TOPK + k being token t's k-th expert.
+
+    dest: [S] int32, the row of copy c in expert-sorted order (stable: by expert, then by c).
+    src: [S] int32, the copy at sorted row s (dest's inverse).
+    counts: [E] int32 copies per expert.
+    ends: [E] int32 cumulative counts (each expert's end row: grouped_mm's `offs`).
+    """
+
+    dest: torch.Tensor
+    src: torch.Tensor
+    counts: torch.Tensor
+    ends: torch.Tensor
+
+
+def sort_ref(ids: torch.Tensor, num_experts: int) -> Routing:
+    """ids [S] expert ids in [0, E) -> `Routing` by a stable argsort (torch ops)."""
+    src = torch.argsort(ids, stable=True)
+    dest = torch.empty_like(src).scatter_(0, src, torch.arange(ids.numel(), device=ids.device))
+    counts = torch.bincount(ids, minlength=num_experts).to(torch.int32)
+    return Routing(dest.to(torch.int32), src.to(torch.int32), counts, torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+def permute_ref(hidden: torch.Tensor, routing: Routing, top_k: int) -> torch.Tensor:
+    """hidden [N, D] -> [N * TOPK, D] copies in sorted order (row s = hidden[src[s] // TOPK])."""
+    return hidden[routing.src.long() // top_k]
+
+
+def unpermute_ref(ys: torch.Tensor, routing: Routing, top_k: int) -> torch.Tensor:
+    """ys [N * TOPK, D] sorted rows -> [N, D], out[t] = sum_k ys[dest[t * TOPK + k]], summed in at least fp32."""
+    acc = torch.promote_types(ys.dtype, torch.float32)
+    return ys[routing.dest.long()].view(-1, top_k, ys.shape[1]).sum(1, dtype=acc).to(ys.dtype)
+
+
+def swiglu_ref(h: torch.Tensor, w: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """w[src[s]] * silu(h[s, :I]) * h[s, I:] for h [S, 2I], w [S] the copies' router weights, src [S] the
+    copy at each row; math in promote(h dtype, fp32), returned in h's dtype."""
+    I = h.shape[1] // 2
+    acc = torch.promote_types(h.dtype, torch.float32)
+    return (F.silu(h[:, :I].to(acc)) * h[:, I:].to(acc) * w[src.long()].to(acc)[:, None]).to(h.dtype)

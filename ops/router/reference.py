@@ -14,6 +14,21 @@ import torch
 import torch.nn.functional as F
 
 
+def check_route_inputs(hidden, gate_weight, top_k: int, dtype: torch.dtype) -> None:
+    """Raise ValueError for inputs no router takes (shapes, top_k range, dtypes)."""
+    if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, D] and gate_weight [E, D], got {tuple(hidden.shape)} and {tuple(gate_weight.shape)}"
+        )
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"router dtype must be a floating torch.dtype, got {dtype!r}")
+    if not hidden.is_floating_point() or not gate_weight.is_floating_point():
+        raise ValueError(f"hidden and gate_weight must be floating point, got {hidden.dtype}, {gate_weight.dtype}")
+    num_experts = gate_weight.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+
+
 def route_ref(
     hidden: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -36,17 +51,7 @@ def route_ref(
     Raises:
         ValueError: bad shapes, top_k out of range, non-float dtype.
     """
-    if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [N, D] and gate_weight [E, D], got {tuple(hidden.shape)} and {tuple(gate_weight.shape)}"
-        )
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"router dtype must be a floating torch.dtype, got {dtype!r}")
-    if not hidden.is_floating_point() or not gate_weight.is_floating_point():
-        raise ValueError(f"hidden and gate_weight must be floating point, got {hidden.dtype}, {gate_weight.dtype}")
-    num_experts = gate_weight.shape[0]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+    check_route_inputs(hidden, gate_weight, top_k, dtype)
     logits = F.linear(hidden.to(dtype), gate_weight.to(dtype))
     probs = torch.softmax(logits, dim=-1)
     topk_weight, topk_idx = torch.topk(probs, top_k, dim=-1)

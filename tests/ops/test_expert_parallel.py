@@ -3,6 +3,8 @@
 Each rank routes its own tokens; rank r holds experts [r*E/2, (r+1)*E/2). The expert-weight
 gradient of a rank must equal the sum over both ranks' tokens of the dense gradient, restricted
 to its experts (the all-to-all backward brings every token's contribution to the expert's owner).
+Every local experts implementation runs in the same two processes (the Triton one in the
+interpreter), with the token moves that go with it.
 
 Tolerances (rel RMS): fp32 vs fp64 out / grads 1e-5.
 """
@@ -12,10 +14,12 @@ import torch
 import torch.distributed as dist
 from dist import spawn
 from test_experts import TOPK, D, E, I, N, dense_formula
+from verl_moe.ops.dispatch import resolve
 from verl_moe.ops.experts.expert_parallel import ExpertParallelGroup, moe_experts_expert_parallel
 from verl_moe.ops.testing import assert_rel_rms
 
 pytestmark = pytest.mark.dist
+ALL_IMPLS = ("torch", "grouped", "triton")
 
 
 def _full_weights():
@@ -25,17 +29,19 @@ def _full_weights():
 
 def _rank_tokens(rank: int, routing: str):
     g = torch.Generator().manual_seed(100 + rank)
-    h = torch.randn(N, D, generator=g)
+    n = 0 if routing == "first_half" and rank == 1 else N  # "first_half": rank 1 has no token either
+    h = torch.randn(n, D, generator=g)
     if routing == "random":
         idx = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(N)])
     else:  # "first_half": every copy goes to rank 0's experts; rank 1 receives nothing
-        idx = torch.stack([torch.randperm(E // 2, generator=g)[:TOPK] for _ in range(N)])
-    w = torch.softmax(torch.randn(N, TOPK, generator=g), -1)
-    dy = torch.randn(N, D, generator=g)
+        rows = [torch.randperm(E // 2, generator=g)[:TOPK] for _ in range(n)]
+        idx = torch.stack(rows) if rows else torch.zeros(0, TOPK, dtype=torch.long)
+    w = torch.softmax(torch.randn(n, TOPK, generator=g), -1)
+    dy = torch.randn(n, D, generator=g)
     return h, idx, w, dy
 
 
-def _check_rank(rank: int, world_size: int, routing: str) -> None:
+def _check_rank(rank: int, world_size: int, routing: str, impls: tuple[str, ...]) -> None:
     ep = ExpertParallelGroup(group=dist.group.WORLD, size=world_size, rank=rank)
     gate_up, down = _full_weights()
     h, idx, w, dy = _rank_tokens(rank, routing)
@@ -48,26 +54,42 @@ def _check_rank(rank: int, world_size: int, routing: str) -> None:
     for g in summed:
         dist.all_reduce(g)
 
-    args = [h.clone(), gate_up[local].clone(), down[local].clone(), w.clone()]
-    args = [t.requires_grad_() for t in args]
-    out = moe_experts_expert_parallel(args[0], args[1], args[2], idx, args[3], ep)
-    grads = torch.autograd.grad((out * dy).sum(), args)
+    for impl in impls:
+        experts = resolve("experts", impl)
+        args = [h.clone(), gate_up[local].clone(), down[local].clone(), w.clone()]
+        args = [t.requires_grad_() for t in args]
+        out = moe_experts_expert_parallel(args[0], args[1], args[2], idx, args[3], ep, experts=experts)
+        grads = torch.autograd.grad((out * dy).sum(), args)
 
-    assert_rel_rms("out", ref_out, out, 1e-5)
-    assert_rel_rms("dhidden", ref_grads[0], grads[0], 1e-5)
-    assert_rel_rms("dweight", ref_grads[3], grads[3], 1e-5)
-    if routing == "first_half" and rank == 1:
-        assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
-    else:
-        assert_rel_rms("dgate_up (local experts)", summed[0][local], grads[1], 1e-5)
-        assert_rel_rms("ddown (local experts)", summed[1][local], grads[2], 1e-5)
-    again = moe_experts_expert_parallel(h, gate_up[local], down[local], idx, w, ep)
-    assert torch.equal(out.detach(), again), "not bitwise deterministic"
+        for name, ref, got in (
+            ("out", ref_out, out),
+            ("dhidden", ref_grads[0], grads[0]),
+            ("dweight", ref_grads[3], grads[3]),
+        ):
+            if ref.numel():
+                assert_rel_rms(f"{impl} {name}", ref, got, 1e-5)
+            else:  # the rank without tokens
+                assert got.shape == ref.shape, (impl, name)
+        if routing == "first_half" and rank == 1:  # no token sent or received: zero expert gradients
+            assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
+        else:
+            assert_rel_rms(f"{impl} dgate_up (local experts)", summed[0][local], grads[1], 1e-5)
+            assert_rel_rms(f"{impl} ddown (local experts)", summed[1][local], grads[2], 1e-5)
+        again = moe_experts_expert_parallel(h, gate_up[local], down[local], idx, w, ep, experts=experts)
+        assert torch.equal(out.detach(), again), f"{impl}: not bitwise deterministic"
 
 
+@pytest.mark.parametrize(
+    "routing,impls", [("random", ("grouped", "triton")), ("first_half", ("triton",))], ids=["random", "first_half"]
+)
+def test_two_ranks_match_dense_fp64(routing, impls):
+    spawn(_check_rank, 2, routing, impls)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["random", "first_half"])
-def test_two_ranks_match_dense_fp64(routing):
-    spawn(_check_rank, 2, routing)
+def test_two_ranks_every_local_experts_impl(routing):
+    spawn(_check_rank, 2, routing, ALL_IMPLS)
 
 
 def _bad_ids(rank: int, world_size: int) -> None:

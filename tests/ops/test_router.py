@@ -1,10 +1,14 @@
-"""Router: fp64 golden, transformers' routers, the router dtype, and the load-balancing loss.
+"""Router: fp64 golden, transformers' routers, the router dtype, the load-balancing loss, and the
+Triton router (softmax / top-k / renorm kernel) against the torch router and the fp64 one.
 
 Tolerances:
 | quantity                                  | tol                      |
 | logits / topk_weight fp32 vs fp64         | rel RMS 1e-6             |
 | vs transformers' TopKRouter (fp32 model)  | rel RMS 1e-6, same ids   |
 | aux loss vs textbook fp64 loop            | 1e-6 relative            |
+| Triton vs torch router, fp32              | same ids, weights 1e-6 abs |
+| Triton gradients vs fp64: fp32 / bf16     | rel RMS 1e-5 / 1e-2      |
+| bf16 hidden: fp32 top-k sets = fp64 sets  | >= 99.9% of tokens       |
 """
 
 import pytest
@@ -12,7 +16,9 @@ import torch
 from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter, load_balancing_loss_func
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-from verl_moe.ops.router import load_balancing_loss, route
+from verl_moe.ops import device
+from verl_moe.ops.router import load_balancing_loss, route, route_ref
+from verl_moe.ops.router.topk import route_triton
 from verl_moe.ops.testing import assert_rel_rms, rel_rms
 
 N, D, E, TOPK = 64, 32, 8, 2
@@ -117,3 +123,128 @@ def test_bad_inputs_raise():
         load_balancing_loss(torch.randn(N, E), TOPK, E, token_mask=torch.ones(N - 1))
     with pytest.raises(ValueError, match=r"\[N, E=8\]"):
         load_balancing_loss(torch.randn(N, E + 1), TOPK, E)
+
+
+# --- the Triton router (interpreter on CPU) ---
+
+DEV = device.current_device()
+
+
+def _router_inputs(N, D, E, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, generator=g).to(DEV, dtype), torch.randn(E, D, generator=g).to(DEV, dtype)
+
+
+@pytest.mark.parametrize(
+    "N,E,top_k,norm",
+    [(37, 8, 2, True), (20, 33, 5, False), (9, 512, 16, True), (1, 4, 4, True), (16, 64, 1, False)],
+    ids=["E8-k2", "E33-k5-raw", "E512-k16", "N1-k=E", "k1-raw"],
+)
+def test_triton_matches_torch_router(nan_poison, N, E, top_k, norm):
+    """Same expert ids bit for bit, same logits, weights within 1e-6; renormalised weights sum to 1."""
+    h, w = _router_inputs(N, 24, E)
+    logits, tw, ti = route_triton(h, w, top_k, norm)
+    l_ref, tw_ref, ti_ref = route_ref(h, w, top_k, norm)
+    assert logits.dtype == tw.dtype == torch.float32 and ti.dtype == torch.int64
+    assert torch.equal(ti, ti_ref)
+    assert torch.equal(logits, l_ref) if DEV.type == "cpu" else rel_rms(l_ref, logits) < 1e-6
+    assert (tw - tw_ref).abs().max().item() <= 1e-6
+    if norm:
+        assert (tw.sum(-1) - 1).abs().max().item() <= 1e-6
+
+
+def test_triton_ties_take_the_lower_expert_first():
+    """Experts 1 and 5 share a gate row (equal logits): the lower id comes first, weights as the torch
+    router's (equal values, whatever order torch.topk returns them in)."""
+    h, w = _router_inputs(12, 16, 8)
+    w[5] = w[1]
+    w[6] = -10 * w[1]
+    _, tw, ti = route_triton(h, w, 4, True)
+    _, tw_ref, _ = route_ref(h, w, 4, True)
+    probs = torch.softmax(h.float() @ w.float().T, -1)
+    expected = torch.sort(-probs, dim=-1, stable=True).indices[:, :4]
+    assert torch.equal(ti, expected)
+    assert (tw - tw_ref).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm", [True, False], ids=["renorm", "raw"])
+def test_triton_gradients_match_fp64(dtype, norm):
+    """d hidden and d gate_weight of a loss on the combine weights plus the load-balancing loss on the
+    logits (the two ways the router's outputs are used) against the fp64 router."""
+    N, D, E, top_k = 40, 24, 16, 4
+    h, w = _router_inputs(N, D, E, dtype)
+    dtw = torch.randn(N, top_k, device=DEV)
+
+    def loss(route_fn, hh, ww, cd):
+        logits, tw, _ = route_fn(hh, ww, top_k, norm, dtype=cd)
+        return (tw * dtw.to(cd)).sum() + load_balancing_loss(logits, top_k, E)
+
+    ref_args = [t.double().requires_grad_() for t in (h, w)]
+    ref = torch.autograd.grad(loss(route_ref, *ref_args, torch.float64), ref_args)
+    args = [t.clone().requires_grad_() for t in (h, w)]
+    got = torch.autograd.grad(loss(route_triton, *args, torch.float32), args)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, r, g in zip(("dhidden", "dgate_weight"), ref, got):
+        assert g.dtype == dtype
+        assert_rel_rms(name, r, g, tol)
+
+
+def test_triton_bf16_hidden_topk_sets_match_fp64():
+    """The issue's requirement: bf16 activations routed in fp32 pick the fp64 router's expert set on
+    >= 99.9% of tokens (the top-k of the logits of the same bf16 values)."""
+    h, w = _router_inputs(128, 64, 64, torch.bfloat16)
+    _, _, ti = route_triton(h, w, 8, True)
+    _, _, ti64 = route_ref(h, w, 8, True, dtype=torch.float64)
+    same = (ti.sort(-1).values == ti64.sort(-1).values).all(-1).float().mean().item()
+    assert same >= 0.999, same
+
+
+def test_triton_empty_deterministic_and_dispatch():
+    """N = 0 gives empty outputs and zero gradients; two calls agree bit for bit; non-contiguous hidden
+    is taken; dtype fp64 is the torch router's computation; bad inputs raise before launch."""
+    h, w = _router_inputs(0, 16, 8)
+    wr = w.clone().requires_grad_()
+    logits, tw, ti = route_triton(h, wr, 2, True)
+    assert logits.shape == (0, 8) and tw.shape == ti.shape == (0, 2)
+    (dw,) = torch.autograd.grad(tw.sum() + logits.sum(), [wr])
+    assert torch.count_nonzero(dw) == 0
+    h, w = _router_inputs(30, 16, 8)
+    first, second = route_triton(h, w, 3, True), route_triton(h, w, 3, True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    strided = torch.cat([h, h], 1)[:, ::2]
+    assert torch.equal(route_triton(strided, w, 3, True)[2], route_ref(strided, w, 3, True)[2])
+    for a, b in zip(route_triton(h, w, 3, True, dtype=torch.float64), route_ref(h, w, 3, True, dtype=torch.float64)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="E <= 512"):
+        route_triton(h[:, :4], torch.randn(513, 4, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        route_triton(h, w, 9, True)
+    with pytest.raises(ValueError, match="floating"):
+        route_triton(h, w, 2, True, dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [8192, 16384])
+def test_gpu_qwen_router(n_tokens):
+    """Qwen3.5-35B shapes (D=2048, 256 experts, top-8), bf16 activations and weights: the kernel's
+    ids equal the torch fp32 router's on >= 99.9% of tokens, its sets the fp64 router's on >= 99.9%,
+    gradients within the bf16 tolerance of fp64, bitwise deterministic."""
+    h, w = _router_inputs(n_tokens, 2048, 256, torch.bfloat16)
+    h, w = h * 0.1, w * 0.05
+    _, tw, ti = route_triton(h, w, 8, True)
+    _, tw32, ti32 = route_ref(h, w, 8, True)
+    _, _, ti64 = route_ref(h, w, 8, True, dtype=torch.float64)
+    assert (ti == ti32).all(-1).float().mean().item() >= 0.999
+    assert (ti.sort(-1).values == ti64.sort(-1).values).all(-1).float().mean().item() >= 0.999
+    agree = (ti == ti32).all(-1)
+    assert (tw - tw32)[agree].abs().max().item() <= 1e-5
+    dtw = torch.randn_like(tw)
+    args = [t.clone().requires_grad_() for t in (h, w)]
+    got = torch.autograd.grad((route_triton(*args, 8, True)[1] * dtw).sum(), args)
+    ref_args = [t.double().requires_grad_() for t in (h, w)]
+    ref = torch.autograd.grad((route_ref(*ref_args, 8, True, dtype=torch.float64)[1] * dtw.double()).sum(), ref_args)
+    for name, r, g in zip(("dhidden", "dgate_weight"), ref, got):
+        assert_rel_rms(name, r, g, 1e-2)
+    again = torch.autograd.grad((route_triton(*args, 8, True)[1] * dtw).sum(), args)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
