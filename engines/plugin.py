@@ -23,6 +23,12 @@ overwrites with the role) and builds:
 Value models (`value_model` role) and other backends are never touched. `VERL_MOE_OVERRIDE=0`
 skips the engine registration entirely (verl's registry is then exactly verl's). The `cpu`
 platform (`engines/platform.py`) is always registered, but only selected by `VERL_PLATFORM=cpu`.
+
+Our rollout (`rollout.name=verl_moe`, `engines/rollout/`) is registered in both of verl's rollout
+tables: the replica through the public `RolloutReplicaRegistry.register`, the per-rank adapter as
+one entry `("verl_moe", "async")` of `verl.workers.rollout.base._ROLLOUT_REGISTRY`, which has no
+register function (see `register_rollout`). It adds a name and replaces nothing, so it does not
+depend on `VERL_MOE_OVERRIDE`.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def override_enabled() -> bool:
 
 def register_platform() -> None:
     """Add the `cpu` platform to verl's platform registry; on `VERL_PLATFORM=cpu` also fix the
-    process-group backend string (see `engines/platform.py`)."""
+    process-group backend string and the resource-pool check (see `engines/platform.py`)."""
     if "platform" in _registered:
         return
     from verl.plugin.platform import PlatformRegistry
@@ -70,11 +76,13 @@ def register_platform() -> None:
         PlatformCPU,
         cpu_platform_selected,
         install_cpu_process_group_fix,
+        install_cpu_resource_check,
     )
 
     PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
     if cpu_platform_selected():
         install_cpu_process_group_fix()
+        install_cpu_resource_check()
     _registered.add("platform")
 
 
@@ -94,10 +102,31 @@ def register_engines() -> None:
     _registered.add("engines")
 
 
+def register_rollout() -> None:
+    """Register the `verl_moe` rollout: `RolloutReplicaRegistry.register("verl_moe", loader)` and the
+    adapter's entry in `_ROLLOUT_REGISTRY` (a plain dict upstream, no register function: we add our
+    key only when it is absent and refuse to overwrite another class under it)."""
+    if "rollout" in _registered:
+        return
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from verl_moe.engines.rollout import ADAPTER_FQN, ROLLOUT_NAME, load_replica
+
+    key = (ROLLOUT_NAME, "async")
+    current = rollout_base._ROLLOUT_REGISTRY.get(key)
+    if current is not None and current != ADAPTER_FQN:
+        raise ValueError(f"verl's _ROLLOUT_REGISTRY already maps {key} to {current}")
+    rollout_base._ROLLOUT_REGISTRY[key] = ADAPTER_FQN
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, load_replica)
+    logger.info("verl_moe: rollout %r registered (adapter %s)", ROLLOUT_NAME, ADAPTER_FQN)
+    _registered.add("rollout")
+
+
 def register_all() -> None:
     """Platform first: importing verl's engine package resolves verl's platform once, for good."""
     register_platform()
     register_engines()
+    register_rollout()
 
 
 try:

@@ -226,8 +226,9 @@ class MoeDecoder:
             raise ValueError(f"tokens must be [N] with N={N}, got {tuple(tokens.shape)}")
         text = self.model.model
         positions = state.lengths[:, None]  # [N, 1]
-        if state.capacity is not None:
-            state.reserve(int(state.lengths.max()) + 1)
+        need, capacity = int(state.lengths.max()) + 1, state.capacity
+        if capacity is not None and capacity < need:
+            state.reserve(max(need, 2 * capacity))  # grow geometrically: a pad copies every cache
         hidden = text.embed_tokens(tokens.to(positions.device)[:, None])  # [N, 1, D]
         cos, sin = text.rotary(positions, hidden.dtype)
         for layer, cache in zip(text.layers, state.layers):

@@ -1,0 +1,26 @@
+"""verl_moe's rollout backend (`actor_rollout_ref.rollout.name=verl_moe`): generation with our own
+model spec and a real decode path, for CPU, CI and single-GPU runs (vLLM stays the rollout at scale).
+
+- `replica.py`: verl's `RolloutReplica` (registered in `RolloutReplicaRegistry` by the plugin);
+- `server.py`: the server actor verl's agent loop calls (`generate` -> `TokenOutput`, control methods);
+- `adapter.py`: the per-rank `BaseRollout` (verl's `_ROLLOUT_REGISTRY` entry), holding the model and
+  engine in the worker process and taking the weights each step;
+- `engine.py`: continuous batching over `verl_moe.models.decode`; `sampling.py`: vLLM's sampling and
+  processed log-probs; `weights.py`: vLLM / HF names -> our parameters; `config.py`:
+  `engine_kwargs.verl_moe`.
+Importing this package imports no Ray actor code beyond verl's own modules.
+"""
+
+from .config import ROLLOUT_NAME, RolloutOptions
+
+ADAPTER_FQN = "verl_moe.engines.rollout.adapter.MoeRolloutAdapter"
+
+
+def load_replica():
+    """The replica class (verl's `RolloutReplicaRegistry` loader)."""
+    from .replica import MoeRolloutReplica
+
+    return MoeRolloutReplica
+
+
+__all__ = ["ADAPTER_FQN", "ROLLOUT_NAME", "RolloutOptions", "load_replica"]

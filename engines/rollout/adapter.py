@@ -1,0 +1,213 @@
+"""The per-rank side of our rollout: verl's `BaseRollout` contract, built by verl in every worker
+that has a rollout role (`get_rollout_class("verl_moe", "async")`).
+
+Where the model lives: in the worker process, next to the trainer's engine. The replica's
+leader rank (rollout rank 0 of a replica; with `tensor_model_parallel_size=1` every rank leads
+its own replica) holds the rollout `MoeCausalLM` and its `GenerationEngine`; the other ranks of
+a replica only consume the weight stream. The replica's server actor (`server.py`) reaches the
+leader through Ray's `__ray_call__` on the worker actor (`call_adapter`), so weights never leave
+the process: `update_weights` copies the trainer's full tensors straight into the rollout model.
+
+Memory: `release()` / the server's `sleep` free the rollout model and every decode state (when
+`free_cache_engine`, verl's default); `resume(["weights"])` allocates an empty model again and
+the next `update_weights` fills it, as verl's hybrid loop does every step. KV cache and
+GatedDeltaNet states exist only while requests run, so the "kv_cache" tag has nothing to do.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from verl.workers.rollout.base import BaseRollout
+
+from ...models import build
+from .config import RolloutOptions, rollout_dtype
+from .engine import Completion, GenerationEngine, Request
+from .weights import load_named_tensors
+
+logger = logging.getLogger(__name__)
+
+# replica rank -> the leader adapter of that replica living in this process (Ray calls find it here)
+_LEADERS: dict[int, MoeRolloutAdapter] = {}
+
+
+def call_adapter(actor: Any, replica_rank: int, method: str, *args) -> Any:
+    """Run `engine_<method>(*args)` on this process's leader adapter of `replica_rank`; the function
+    the server sends through `worker.__ray_call__` (`actor` is the worker instance, unused)."""
+    adapter = _LEADERS.get(replica_rank)
+    if adapter is None:
+        raise ValueError(f"no verl_moe rollout adapter of replica {replica_rank} in this worker process")
+    return getattr(adapter, f"engine_{method}")(*args)
+
+
+def eos_token_ids(model_config: Any) -> set[int]:
+    """End-of-sequence ids as vLLM gathers them: the generation config's `eos_token_id` (an int or a
+    list) and the tokenizer's; the model config's when neither has one."""
+    ids: set[int] = set()
+    for source in (getattr(model_config, "generation_config", None), getattr(model_config, "tokenizer", None)):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    if not ids:
+        value = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return {int(i) for i in ids}
+
+
+class MoeRolloutAdapter(BaseRollout):
+    """verl's per-rank rollout object for `rollout.name=verl_moe` (see module docstring).
+
+    Args:
+        config: verl RolloutConfig. model_config: verl HFModelConfig (hf_config, tokenizer,
+            generation_config). device_mesh: unused (None in verl's CheckpointEngineWorker).
+        replica_rank: given by verl's CheckpointEngineWorker; else RANK // replica world size.
+    """
+
+    def __init__(self, config, model_config, device_mesh=None, replica_rank: int = -1):
+        super().__init__(config, model_config, device_mesh)
+        c = self.config
+        replica_world = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
+        rank = int(os.environ.get("RANK", "0"))
+        self.replica_rank = rank // replica_world if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % replica_world
+        self.is_leader_rank = self.rollout_rank == 0
+        self.options = RolloutOptions.from_rollout_config(c)
+        self.dtype = rollout_dtype(c.dtype)
+        self.eos_token_ids = eos_token_ids(self.model_config)
+        self.global_steps: int | None = None
+        self._model = None
+        self._engine: GenerationEngine | None = None
+        self._profiler = None
+        self._profile_count = 0
+        if self.is_leader_rank:
+            if not self.eos_token_ids:
+                logger.warning("verl_moe rollout: no eos_token_id in the model's configs; requests stop at length")
+            _LEADERS[self.replica_rank] = self
+
+    # ---- verl's BaseRollout contract ---------------------------------------------------------
+
+    async def resume(self, tags: list[str]):
+        """tags "weights": allocate the (empty) rollout model; "kv_cache": nothing (states are per request)."""
+        self.engine_wake_up(tags)
+
+    async def release(self):
+        """Free the rollout model and all decode state (when free_cache_engine)."""
+        self.engine_sleep()
+
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        global_steps: int | None = None,
+        wire_format: str = "named_tensors",
+        **kwargs,
+    ):
+        """Copy the trainer's tensors into the rollout model (leader) or just drain the stream (other
+        ranks: every rank must consume it, the tensors are gathered collectively).
+
+        Raises:
+            ValueError: a wire format other than full named tensors, LoRA adapter weights, or weights
+                that do not fit the model (see `load_named_tensors`).
+        """
+        if wire_format != "named_tensors":
+            raise ValueError(f"verl_moe rollout takes wire_format='named_tensors', got {wire_format!r}")
+        if kwargs.get("peft_config") is not None:
+            raise ValueError("verl_moe rollout takes merged weights only (set actor_rollout_ref.model.lora.merge=True)")
+        if not self.is_leader_rank:
+            for _ in weights:
+                pass
+            return
+        if self._engine is not None and self._engine.num_running:
+            raise ValueError("verl_moe rollout: weights updated while requests run; abort or drain them first")
+        self._ensure_model()
+        count = load_named_tensors(self._model, weights)
+        self.global_steps = global_steps
+        self._engine = GenerationEngine(self._model, self.eos_token_ids, seed=self.config.seed + self.replica_rank)
+        logger.info("verl_moe rollout replica %d: %d tensors loaded (step %s)", self.replica_rank, count, global_steps)
+
+    def generate_sequences(self, prompts):
+        raise NotImplementedError(
+            "verl_moe rollout serves verl's agent loop (async server mode); it has no synchronous generate_sequences"
+        )
+
+    # ---- engine side of the server's calls (run in this process through call_adapter) ---------
+
+    def engine_run(self, requests: list[Request], steps: int) -> dict:
+        """Admit `requests`, advance all running ones by `steps` tokens. Returns {"completions":
+        [Completion], "running": int, "global_steps": int | None}."""
+        if self._engine is None:
+            raise ValueError("verl_moe rollout has no weights yet: verl calls update_weights before generating")
+        done = self._engine.add(requests) + self._engine.step(steps)
+        return {"completions": done, "running": self._engine.num_running, "global_steps": self.global_steps}
+
+    def engine_abort(self) -> list[Completion]:
+        return [] if self._engine is None else self._engine.abort_all()
+
+    def engine_sleep(self) -> None:
+        if not self.is_leader_rank or not self.config.free_cache_engine:
+            return
+        if self._engine is not None and self._engine.num_running:
+            raise ValueError("verl_moe rollout: sleep while requests run; abort or drain them first")
+        self._engine, self._model = None, None
+        gc.collect()
+        if self._device().type != "cpu":
+            from verl.utils.device import get_torch_device
+
+            get_torch_device().empty_cache()
+
+    def engine_wake_up(self, tags: list[str] | None = None) -> None:
+        if self.is_leader_rank and "weights" in (tags or ["weights", "kv_cache"]):
+            self._ensure_model()
+
+    def engine_start_profile(self, **kwargs) -> None:
+        """torch.profiler over the engine calls until `engine_stop_profile`, when the rollout profiler
+        config enables the torch tool for this replica; otherwise nothing."""
+        if self._profiler is not None or not self._profiling_enabled():
+            return
+        self._profiler = torch.profiler.profile(record_shapes=True, with_stack=False)
+        self._profiler.__enter__()
+
+    def engine_stop_profile(self) -> str | None:
+        """Stop profiling; returns the chrome trace written under the profiler's save_path (or None)."""
+        if self._profiler is None:
+            return None
+        self._profiler.__exit__(None, None, None)
+        folder = self.config.profiler.save_path or "."
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"verl_moe_rollout_replica{self.replica_rank}_{self._profile_count}.json")
+        self._profiler.export_chrome_trace(path)
+        self._profiler, self._profile_count = None, self._profile_count + 1
+        return path
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _profiling_enabled(self) -> bool:
+        p = self.config.profiler
+        if p is None or not p.enable or p.tool != "torch":
+            return False
+        return p.all_ranks or self.replica_rank in (p.ranks or [])
+
+    def _device(self) -> torch.device:
+        from verl.utils.device import get_device_id, get_device_name
+
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+    def _ensure_model(self) -> None:
+        """Allocate the rollout model (uninitialised: update_weights fills every parameter)."""
+        if self._model is not None:
+            return
+        model = build(self.model_config.hf_config, dtype=self.dtype, device="meta", ops=self.options.ops)
+        model.to_empty(device=self._device())
+        if model.arch.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        self._model = model.eval().requires_grad_(False)
+        self._engine = None
+
+
+__all__ = ["MoeRolloutAdapter", "call_adapter", "eos_token_ids"]

@@ -1,0 +1,66 @@
+"""Our rollout's own settings: `actor_rollout_ref.rollout.engine_kwargs.verl_moe` (verl keeps one
+`engine_kwargs` mapping per rollout backend, e.g. `engine_kwargs.vllm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+ROLLOUT_NAME = "verl_moe"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """Attributes:
+    steps_per_call: tokens each running sequence advances per engine call; new requests join the
+        running batch between calls (continuous batching at this granularity).
+    batch_wait_ms: how long the server lets requests gather before it starts an idle engine.
+    ops: the rollout model's op choices (`verl_moe.models.OpsConfig` fields), None for auto.
+    """
+
+    steps_per_call: int = 16
+    batch_wait_ms: float = 10.0
+    ops: Mapping | None = None
+
+    def __post_init__(self):
+        if self.steps_per_call < 1:
+            raise ValueError(f"engine_kwargs.verl_moe.steps_per_call must be >= 1, got {self.steps_per_call}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"engine_kwargs.verl_moe.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+
+    @classmethod
+    def from_rollout_config(cls, config: Any) -> RolloutOptions:
+        """From a verl RolloutConfig (or anything with `engine_kwargs`). Unknown keys raise ValueError
+        listing the valid ones."""
+        values = dict((getattr(config, "engine_kwargs", None) or {}).get(ROLLOUT_NAME) or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"engine_kwargs.{ROLLOUT_NAME}: unknown key(s) {unknown}; valid: {valid}")
+        if values.get("ops") is not None:
+            values["ops"] = dict(values["ops"])
+        return cls(**values)
+
+
+def rollout_dtype(name: str) -> torch.dtype:
+    """torch dtype of `rollout.dtype` ("bfloat16", "float32", ...). Raises ValueError naming the choices."""
+    key = str(name).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"rollout.dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+__all__ = ["DTYPES", "ROLLOUT_NAME", "RolloutOptions", "rollout_dtype"]

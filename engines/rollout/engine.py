@@ -1,0 +1,183 @@
+"""Batched generation with continuous batching over `verl_moe.models.decode.MoeDecoder`.
+
+New requests are prefilled together (one packed forward), sample their first token, and join
+the running batch; `step(k)` advances every running sequence by up to k tokens. A sequence
+leaves the batch (its state rows dropped) when it samples an end-of-sequence / stop token or
+reaches its `max_tokens`. One engine per rollout replica, living in the process that holds the
+weights (the trainer worker in verl's hybrid mode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...models import MoeCausalLM
+from ...models.decode import DecodeState, MoeDecoder
+from .sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class Request:
+    """request_id: the caller's id; prompt_ids: non-empty token ids; params: its sampling settings."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished (or aborted) request. finish_reason: "stop" (end-of-sequence or stop token),
+    "length" (max_tokens) or "abort". log_probs: one per token when the request asked, else None."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float] | None
+    finish_reason: str
+
+
+@dataclass
+class _Running:
+    request: Request
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+
+class GenerationEngine:
+    """Generate for many requests at once on one model.
+
+    Args:
+        model: a local MoeCausalLM (eval mode is not required: nothing here has dropout).
+        eos_token_ids: tokens that end a request (unless its `ignore_eos`).
+        seed: seed of the generator shared by requests without their own `seed`.
+    """
+
+    def __init__(self, model: MoeCausalLM, eos_token_ids: Iterable[int], seed: int = 0):
+        self.decoder = MoeDecoder(model)
+        self.vocab_size = model.arch.vocab_size
+        self.device = model.lm_head.weight.device
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self._running: list[_Running] = []
+        self._state: DecodeState | None = None
+        self._last: torch.Tensor | None = None  # [N] the token each running sequence feeds next
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def generate(self, requests: Sequence[Request], steps_per_call: int = 64) -> list[Completion]:
+        """Run `requests` to completion; completions in the order of `requests`."""
+        done = {c.request_id: c for c in self.add(requests)}
+        while self._running:
+            done.update((c.request_id, c) for c in self.step(steps_per_call))
+        return [done[r.request_id] for r in requests]
+
+    def add(self, requests: Sequence[Request]) -> list[Completion]:
+        """Prefill `requests`, sample their first tokens and let the unfinished ones join the batch.
+        Returns the requests that finished on their first token.
+
+        Raises:
+            ValueError: an empty prompt or a token id outside the vocabulary; a request id already running.
+        """
+        if not requests:
+            return []
+        running_ids = {r.request.request_id for r in self._running}
+        for r in requests:
+            if r.request_id in running_ids:
+                raise ValueError(f"request {r.request_id!r} is already running")
+        capacity = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        logits, state = self.decoder.prefill([list(r.prompt_ids) for r in requests], capacity=capacity)
+        new = [_Running(r, self._request_generator(r.params)) for r in requests]
+        finished, keep, tokens = self._sample(new, logits)
+        new = [new[i] for i in keep]
+        if new:
+            state = state.select(keep) if len(keep) < len(requests) else state
+            self._running += new
+            self._state = state if self._state is None else DecodeState.concat([self._state, state])
+            last = tokens[keep]
+            self._last = last if self._last is None else torch.cat([self._last, last])
+        return finished
+
+    def step(self, steps: int = 1) -> list[Completion]:
+        """Advance every running sequence by up to `steps` tokens; returns those that finished."""
+        finished: list[Completion] = []
+        for _ in range(steps):
+            if not self._running:
+                break
+            logits = self.decoder.step(self._last, self._state)
+            done, keep, tokens = self._sample(self._running, logits)
+            finished += done
+            if len(keep) < len(self._running):
+                self._running = [self._running[i] for i in keep]
+                self._state = self._state.select(keep) if keep else None
+                tokens = tokens[keep]
+            self._last = tokens if self._running else None
+        return finished
+
+    def abort_all(self) -> list[Completion]:
+        """Stop every running sequence; each returns what it generated so far (finish_reason "abort")."""
+        aborted = [self._completion(r, "abort") for r in self._running]
+        self._running, self._state, self._last = [], None, None
+        return aborted
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _request_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed)
+
+    def _sample(self, running: list[_Running], logits: torch.Tensor):
+        """Sample one token per running sequence; returns (finished completions, kept row indices,
+        sampled tokens [N])."""
+        logits = self._mask_early_stops(running, logits)
+        params = [r.request.params for r in running]
+        seen = self._seen(running) if any(p.repetition_penalty != 1.0 for p in params) else None
+        tokens, log_probs = sample(logits, params, [r.generator for r in running], self.generator, seen)
+        finished, keep = [], []
+        for i, (r, token, lp) in enumerate(zip(running, tokens.tolist(), log_probs.tolist())):
+            r.tokens.append(token)
+            r.log_probs.append(lp)
+            p = r.request.params
+            stops = p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_token_ids))
+            if token in stops and len(r.tokens) >= p.min_tokens:
+                finished.append(self._completion(r, "stop"))
+            elif len(r.tokens) >= p.max_tokens:
+                finished.append(self._completion(r, "length"))
+            else:
+                keep.append(i)
+        return finished, keep, tokens
+
+    def _mask_early_stops(self, running: list[_Running], logits: torch.Tensor) -> torch.Tensor:
+        """Rows below their min_tokens cannot sample a token that would end them (vLLM's rule)."""
+        rows = [i for i, r in enumerate(running) if len(r.tokens) < r.request.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = running[i].request.params
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            ids = [t for t in stops if 0 <= t < logits.shape[-1]]
+            if ids:
+                logits[i, ids] = float("-inf")
+        return logits
+
+    def _seen(self, running: list[_Running]) -> torch.Tensor:
+        seen = torch.zeros(len(running), self.vocab_size, dtype=torch.bool, device=self.device)
+        for i, r in enumerate(running):
+            ids = torch.tensor(list(r.request.prompt_ids) + r.tokens, dtype=torch.long, device=self.device)
+            seen[i, ids] = True
+        return seen
+
+    @staticmethod
+    def _completion(r: _Running, reason: str) -> Completion:
+        lps = list(r.log_probs) if r.request.params.logprobs else None
+        return Completion(r.request.request_id, list(r.tokens), lps, reason)
+
+
+__all__ = ["Completion", "GenerationEngine", "Request"]
