@@ -238,3 +238,16 @@ def test_gpu_qwen_experts(n_tokens):
     for name, r, got in zip(("out", *GRAD_NAMES), [ref_out, *ref], runs[0]):
         assert_rel_rms(name, r, got, 1e-2)
     assert all(torch.equal(a, b) for a, b in zip(*runs)), "not bitwise deterministic"
+
+
+def test_bench_tiny_case_runs_and_checks():
+    """`verl-moe bench experts` on its CPU case: every torch-side provider passes the check against the
+    loop reference (transformers' grouped_mm module gets the bench's leaves as its weights)."""
+    from verl_moe.tools.bench import BenchConfig, run
+
+    report = run(
+        BenchConfig(op="experts", cases=("tiny-T64-E8-top2-D64-I32",), providers=("torch", "grouped", "transformers"),
+                    warmup=1, reps=1)
+    )  # fmt: skip
+    assert {r["provider"] for r in report["rows"]} == {"torch", "grouped", "transformers"}
+    assert all(r["check_ok"] and len(r["rel_rms_per_output"]) in (1, 5) for r in report["rows"])

@@ -248,3 +248,16 @@ def test_gpu_qwen_router(n_tokens):
         assert_rel_rms(name, r, g, 1e-2)
     again = torch.autograd.grad((route_triton(*args, 8, True)[1] * dtw).sum(), args)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_bench_tiny_case_runs_and_checks():
+    """`verl-moe bench router` on its CPU case: transformers' router (fp32 here) equals ours in fp32."""
+    from verl_moe.tools.bench import BenchConfig, run
+
+    report = run(
+        BenchConfig(
+            op="router", cases=("tiny-T64-D64-E16-top4",), providers=("torch", "transformers"), warmup=1, reps=1
+        )
+    )
+    assert len(report["rows"]) == 4
+    assert all(r["check_ok"] and max(r["rel_rms_per_output"]) < 1e-6 for r in report["rows"])
