@@ -12,16 +12,24 @@ What it maps:
 - the device module is `torch.cpu` plus the memory-statistics functions verl's workers call
   (`max_memory_allocated`, `mem_get_info`, ...), which `torch.cpu` lacks; they report 0 bytes
   (CPU has no caching allocator) and host memory from psutil;
-- one "accelerator" in Ray is one CPU: `RayResourcePool(process_on_nodes=[n])` with its default
-  `use_gpu=True` asks for bundles of `{"CPU": 1}`, which a small machine grants.
+- one "accelerator" in Ray is one CPU: a `RayResourcePool` bundle is `{"CPU": max_colocate_count,
+  ray_resource_name(): 1}`, which with the name "CPU" collapses to `{"CPU": 1}`, and each of the
+  (up to max_colocate_count) workers colocated in it asks for `num_cpus=1/max_colocate_count`
+  (`ray_resource_options`). So verl's `use_gpu=True` pools need one CPU per trainer rank, which a
+  small machine grants.
 
-One verl function cannot be served by a platform: `initialize_global_process_group_ray` builds
-the backend string `cpu:gloo,<device>:<backend>`, which torch rejects for device `cpu`
-("Duplicate device type cpu"). `install_cpu_process_group_fix` wraps it to pass plain `gloo`
-when, and only when, the current platform is this one. Upstream fix (one line in
-`verl/utils/distributed.py`):
-    backend = backend or (get_nccl_backend() if get_device_name() == "cpu"
-                          else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}")
+Two verl functions cannot be served by a platform, so each is wrapped, on this platform only:
+
+- `ResourcePoolManager._check_resource_available` (main_ppo's trainer) counts Ray's "GPU"/"NPU"
+  resources whatever the platform and raises "Total available GPUs 0 is less than total desired
+  GPUs N" on CPU, although the pools' bundles ask for `ray_resource_name()` = "CPU".
+  `install_cpu_resource_check` counts free Ray CPUs instead. Upstream fix
+  (`verl/single_controller/ray/base.py`): count `get_platform().ray_resource_name()`.
+- `initialize_global_process_group_ray` builds the backend string `cpu:gloo,<device>:<backend>`,
+  which torch rejects for device `cpu` ("Duplicate device type cpu"). `install_cpu_process_group_fix`
+  passes plain `gloo`. Upstream fix (one line in `verl/utils/distributed.py`):
+      backend = backend or (get_nccl_backend() if get_device_name() == "cpu"
+                            else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}")
 """
 
 from __future__ import annotations
@@ -186,3 +194,36 @@ def install_cpu_process_group_fix() -> None:
 
     initialize_global_process_group_ray._verl_moe_cpu_fix = True
     verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def install_cpu_resource_check() -> None:
+    """Make verl's `ResourcePoolManager._check_resource_available` count free Ray CPUs (one per
+    worker, what the pools' bundles ask for) when the current platform is this one; any other
+    platform keeps verl's GPU/NPU count. Idempotent.
+
+    Raises (from the check, on this platform): ValueError naming both counts and the setting to raise.
+    """
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    original = ResourcePoolManager._check_resource_available
+    if getattr(original, "_verl_moe_cpu_fix", False):
+        return
+
+    @functools.wraps(original)
+    def _check_resource_available(self):
+        from verl.utils.device import get_device_name
+
+        if get_device_name() != "cpu":
+            return original(self)
+        import ray
+
+        free = ray.available_resources().get("CPU", 0)
+        required = self.get_n_gpus()
+        if free < required:
+            raise ValueError(
+                f"Ray has {free:g} free CPUs, the resource pools need {required} (one per worker on the cpu "
+                "platform): raise ray_kwargs.ray_init.num_cpus or lower trainer.n_gpus_per_node"
+            )
+
+    _check_resource_available._verl_moe_cpu_fix = True
+    ResourcePoolManager._check_resource_available = _check_resource_available

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from veomni.distributed import parallel_state as veomni_parallel_state
 from veomni.optim import build_lr_scheduler
+from verl.workers.config import VeOmniOptimizerConfig
 from verl_moe.engines.fsdp2 import MoeFsdp2Engine
 from verl_moe.engines.ulysses import UlyssesGroup
 from verl_moe.models.layers import Experts
@@ -53,23 +54,39 @@ def init_veomni_parallel_state(world_size: int, fsdp_size: int, ulysses: int, ep
     )
 
 
+def check_optimizer_config(optimizer_config) -> None:
+    """What a trainable MoeVeOmniEngine builds from: a `VeOmniOptimizerConfig` asking for adamw and a
+    constant / linear / cosine schedule. A forward-only engine (verl's reference model, which gets a
+    plain `OptimizerConfig()`: verl/workers/config/actor.py) builds no optimizer and skips this.
+
+    Raises: ValueError naming the config class, optimizer or schedule that is not supported.
+    """
+    if not isinstance(optimizer_config, VeOmniOptimizerConfig):
+        raise ValueError(
+            f"optimizer config {type(optimizer_config).__name__}: a trainable MoeVeOmniEngine needs "
+            "VeOmniOptimizerConfig (actor_rollout_ref.actor.optim of model_engine=veomni)"
+        )
+    if optimizer_config.optimizer != "adamw":
+        raise ValueError(f"optimizer={optimizer_config.optimizer!r}: MoeVeOmniEngine builds adamw only")
+    if optimizer_config.lr_scheduler_type not in ("constant", "linear", "cosine"):
+        raise ValueError(
+            f"lr_scheduler_type {optimizer_config.lr_scheduler_type!r}: expected constant, linear or cosine"
+        )
+
+
 class MoeVeOmniEngine(MoeFsdp2Engine):
     """verl engine for `model_engine=veomni` and the model types of `verl_moe.models.SPECS`.
 
     Args (as verl passes them): model_config (HFModelConfig), engine_config (verl's
-    VeOmniEngineConfig or our MoeVeOmniEngineConfig), optimizer_config (VeOmniOptimizerConfig),
+    VeOmniEngineConfig or our MoeVeOmniEngineConfig), optimizer_config (VeOmniOptimizerConfig;
+    ignored, and any OptimizerConfig or None accepted, when engine_config.forward_only),
     checkpoint_config (CheckpointConfig or None). Raises ValueError on an unsupported
     configuration before anything is built.
     """
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
-        if optimizer_config is not None:  # checked before any process group or mesh is built
-            if optimizer_config.optimizer != "adamw":
-                raise ValueError(f"optimizer={optimizer_config.optimizer!r}: MoeVeOmniEngine builds adamw only")
-            if optimizer_config.lr_scheduler_type not in ("constant", "linear", "cosine"):
-                raise ValueError(
-                    f"lr_scheduler_type {optimizer_config.lr_scheduler_type!r}: expected constant, linear or cosine"
-                )
+        if not engine_config.forward_only:  # checked before any process group or mesh is built
+            check_optimizer_config(optimizer_config)
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
     def _build_parallel_layout(self, world_size: int) -> None:
