@@ -159,18 +159,18 @@ class MoeDecoder:
         hidden = text.embed_tokens(ids)
         cos, sin = text.rotary(positions, hidden.dtype)
         caches = []
-        for layer in text.layers:
-            x = layer.input_layernorm(hidden)
+
+        def mixer(layer, x):
             if layer.layer_type == "linear_attention":
                 x, cache = self._gdn_prefill(layer.linear_attn, x, cu)
             else:
                 x, cache = self._attention_prefill(layer.self_attn, x, cos, sin, cu, capacity)
             caches.append(cache)
-            hidden = hidden + x
-            x, _ = layer.mlp(layer.post_attention_layernorm(hidden))
-            hidden = hidden + x
-        last = hidden[0, cu[1:].long() - 1]  # [N, D]
-        logits = self.model.logits(text.norm(last))
+            return x
+
+        hidden, residual = self._layers(hidden, mixer)
+        last = cu[1:].long() - 1  # each prompt's last token
+        logits = self._logits(hidden[0, last], residual[0, last])
         return logits, DecodeState(lengths.to(device), caches)
 
     def _attention_prefill(self, attn: Attention, x, cos, sin, cu, capacity):
@@ -231,17 +231,16 @@ class MoeDecoder:
             state.reserve(max(need, 2 * capacity))  # grow geometrically: a pad copies every cache
         hidden = text.embed_tokens(tokens.to(positions.device)[:, None])  # [N, 1, D]
         cos, sin = text.rotary(positions, hidden.dtype)
-        for layer, cache in zip(text.layers, state.layers):
-            x = layer.input_layernorm(hidden)
+        caches = iter(state.layers)
+
+        def mixer(layer, x):
             if layer.layer_type == "linear_attention":
-                x = self._gdn_step(layer.linear_attn, x, cache)
-            else:
-                x = self._attention_step(layer.self_attn, x, cos, sin, cache, state.lengths)
-            hidden = hidden + x
-            x, _ = layer.mlp(layer.post_attention_layernorm(hidden))
-            hidden = hidden + x
+                return self._gdn_step(layer.linear_attn, x, next(caches))
+            return self._attention_step(layer.self_attn, x, cos, sin, next(caches), state.lengths)
+
+        hidden, residual = self._layers(hidden, mixer)
         state.lengths = state.lengths + 1
-        return self.model.logits(text.norm(hidden[:, 0]))
+        return self._logits(hidden[:, 0], residual[:, 0])
 
     def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, lengths):
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)  # [N, 1, H | HKV, K]
@@ -271,6 +270,27 @@ class MoeDecoder:
         )
         o = gdn.norm(o, gate=gdn.in_proj_z(x).reshape(N, gdn.num_v_heads, gdn.head_v_dim))
         return gdn.out_proj(o.reshape(N, 1, gdn.value_dim))
+
+    # ---- the layer walk, shared by prefill and step -------------------------------------------
+
+    def _layers(self, hidden, mixer):
+        """`MoeTextModel.forward`'s walk with `mixer(layer, x)` in place of each token mixer: the
+        residual stream is carried as (branch output, running sum) and every residual add runs in
+        the norm after it, exactly as the model does (the same ops, hence the same rounding).
+        Returns (last MLP output, running sum before it)."""
+        residual = None
+        for layer in self.model.model.layers:
+            if residual is None:
+                x, residual = layer.input_layernorm(hidden), hidden
+            else:
+                x, residual = layer.input_layernorm(hidden, residual=residual)
+            x, residual = layer.post_attention_layernorm(mixer(layer, x), residual=residual)
+            hidden, _ = layer.mlp(x)
+        return hidden, residual
+
+    def _logits(self, hidden, residual):
+        """Final norm of residual + hidden, then the LM head."""
+        return self.model.logits(self.model.model.norm(hidden, residual=residual)[0])
 
     # ---- shared pieces of the two mixers -----------------------------------------------------
 
