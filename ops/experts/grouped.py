@@ -5,9 +5,10 @@ atomics: deterministic).
     -> w * silu(gate) * up (the router weight applied here) -> grouped GEMM down
     -> each token's TOPK rows summed (fp32)
 
-Two sets of token moves run this pipeline: `TRITON_MOVES` (counting sort, row scatter/gather-sum and
+Two sets of token moves run this pipeline: the Triton ones (counting sort, row scatter/gather-sum and
 the weighted SwiGLU as Triton kernels, `permute.py` / `swiglu.py`) and `TORCH_MOVES` (argsort and
-indexing, `reference.py`), as the "triton" and "grouped" implementations. The grouped GEMM is
+indexing, `reference.py`), as the "triton" and "grouped" implementations. With the Triton moves and
+F.grouped_mm the whole MLP is one autograd Function that saves only the gate_up output (`mlp.py`). The grouped GEMM is
 `torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype and strides; otherwise
 (fp64, rows not 16-byte aligned, NPU) a loop over the expert segments.
 
@@ -28,14 +29,18 @@ import torch.nn.functional as F
 from .reference import check_experts_inputs, empty_experts, permute_ref, sort_ref, swiglu_ref, unpermute_ref
 
 
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def _grouped_mm_takes(like: torch.Tensor, *dims: int) -> bool:
+    """Whether F.grouped_mm runs for operands of `like`'s dtype and device whose rows have these sizes."""
+    if not hasattr(F, "grouped_mm") or like.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if x.device.type not in ("cuda", "cpu"):  # torch_npu has no grouped_mm kernel: segment loop there
+    if like.device.type not in ("cuda", "cpu"):  # torch_npu has no grouped_mm kernel: segment loop there
         return False
-    row_bytes = x.element_size()
     # grouped_mm needs 16-byte aligned strides on every operand.
-    return all((d * row_bytes) % 16 == 0 for d in (x.shape[-1], w.shape[-1], w.shape[-2]))
+    return all((d * like.element_size()) % 16 == 0 for d in dims)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return _grouped_mm_takes(x, x.shape[-1], w.shape[-1], w.shape[-2])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -79,13 +84,17 @@ def grouped_experts(hidden, gate_up_proj, down_proj, topk_idx, topk_weight, move
     N, TOPK = topk_idx.shape
     if N == 0:
         return empty_experts(hidden, gate_up_proj, down_proj, topk_weight)
-    E = gate_up_proj.shape[0]
+    E, I = gate_up_proj.shape[0], down_proj.shape[2]
     routing = moves.sort(topk_idx.reshape(-1), E)
-    x = moves.permute(hidden, routing, TOPK)  # [S, D], grouped by expert
-    h = grouped_linear(x, gate_up_proj, routing.ends)  # [S, 2I]
     w = topk_weight.reshape(-1)
     if w.dtype != torch.float64:
         w = w.float()  # the combine weights stay in (at least) fp32
+    if moves.name == "triton" and _grouped_mm_takes(hidden, hidden.shape[1], 2 * I, I):
+        from .mlp import experts_mlp  # one Function that saves only the gate_up output
+
+        return experts_mlp(hidden, gate_up_proj, down_proj, w, routing, TOPK)
+    x = moves.permute(hidden, routing, TOPK)  # [S, D], grouped by expert
+    h = grouped_linear(x, gate_up_proj, routing.ends)  # [S, 2I]
     a = moves.swiglu(h, w, routing.src)  # [S, I] = w * silu(gate) * up
     y = grouped_linear(a, down_proj, routing.ends)  # [S, D]
     return moves.unpermute(y, routing, TOPK)

@@ -251,3 +251,15 @@ def test_bench_tiny_case_runs_and_checks():
     )  # fmt: skip
     assert {r["provider"] for r in report["rows"]} == {"torch", "grouped", "transformers"}
     assert all(r["check_ok"] and len(r["rel_rms_per_output"]) in (1, 5) for r in report["rows"])
+
+
+def test_triton_saves_only_the_gate_up_output():
+    """The Triton path keeps, of the [S, *] activations (S = N * TOPK copies), only the gate_up output
+    [S, 2I] for backward: the permuted rows [S, D] and the activation [S, I] are recomputed."""
+    h, gu, dn, idx, w = inputs()
+    args = [t.clone().requires_grad_() for t in (h, gu, dn, w)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        resolve("experts", "triton")(args[0], args[1], args[2], idx, args[3])
+    S = N * TOPK
+    assert [s for s in saved if len(s) == 2 and s[0] == S] == [(S, 2 * I)], saved
