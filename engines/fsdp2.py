@@ -396,13 +396,15 @@ class MoeFsdp2Engine(BaseEngine):
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Model, optimizer, LR schedule and RNG via torch.distributed.checkpoint, written to
-        `<local_path>.tmp` and renamed when complete; an HF safetensors export when
-        `checkpoint_config.save_contents` holds "hf_model"."""
+        `<local_path>.tmp` and renamed when complete (`engines/checkpoint.py`: a kill at any
+        instant keeps a loadable checkpoint); an HF safetensors export when
+        `checkpoint_config.save_contents` holds "hf_model". `max_ckpt_to_keep` counts distinct
+        paths: saving to a path again makes it the newest, and the path just saved is never pruned."""
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by MoeFsdp2Engine; copy local_path yourself")
         contents = ckpt.checkpoint_contents(self.checkpoint_config, "save")
         with self._params_on_device(optimizer=True):
-            ckpt.save(
+            path = ckpt.save(
                 local_path,
                 model=self.module.model,
                 optimizer=self.optimizer if "optimizer" in contents else None,
@@ -410,13 +412,16 @@ class MoeFsdp2Engine(BaseEngine):
                 global_step=global_step,
                 hf_export="hf_model" in contents,
             )
-        self._saved_checkpoints.append(local_path)
+        self._saved_checkpoints = [p for p in self._saved_checkpoints if p != path] + [path]
         if max_ckpt_to_keep:
             self._saved_checkpoints = ckpt.prune(self._saved_checkpoints, max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        """Restore what `save_checkpoint` wrote (same world size); `del_local_after_load` is
-        accepted for verl's signature and ignored (local checkpoints are never deleted)."""
+        """Restore what `save_checkpoint` wrote: model and optimizer on any world size, LR schedule
+        and RNG ("extra") on the same one. Every rank checks its files first; on a problem all
+        raise `ckpt.CheckpointError` (a ValueError; `CheckpointNotFoundError` for a missing file)
+        before anything is restored. `del_local_after_load` is accepted for verl's signature and
+        ignored (local checkpoints are never deleted)."""
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by MoeFsdp2Engine")
         contents = ckpt.checkpoint_contents(self.checkpoint_config, "load")

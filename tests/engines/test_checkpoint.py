@@ -5,6 +5,7 @@ vLLM names of the rollout weight sync (expected names built here from the fused 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,3 +156,172 @@ def test_resume_kill_and_export(tmp_path):
     killed_root = str(tmp_path / "killed")
     _run_killed_save(path, killed_root)
     spawn(_resume_bit_exact, 2, path, str(tmp_path / "ckpt"), killed_root)
+
+
+# ---- fresh process groups from the fork server (tests/engines/forked.py): a few seconds each ----
+
+
+def _perturbed(engine, amount: float) -> dict[str, torch.Tensor]:
+    """Shift every parameter by `amount` (a state a load must overwrite); returns the new weights."""
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(amount)
+    return _weights(engine)
+
+
+def _assert_weights(engine, expected: dict[str, torch.Tensor]) -> None:
+    for name, tensor in _weights(engine).items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def save_one_path_twice(rank: int, world_size: int, path: str, root: str) -> None:
+    engine = _engine(path)
+    first, second = os.path.join(root, "first"), os.path.join(root, "second")
+    engine.save_checkpoint(first, global_step=1, max_ckpt_to_keep=1)
+    saved = _perturbed(engine, 0.5)
+    engine.save_checkpoint(first, global_step=2, max_ckpt_to_keep=1)
+    assert engine._saved_checkpoints == [first]
+    _perturbed(engine, 0.25)
+    engine.load_checkpoint(first)
+    _assert_weights(engine, saved)
+    engine.save_checkpoint(second, global_step=3, max_ckpt_to_keep=1)  # prunes the other path only
+    assert engine._saved_checkpoints == [second] and not os.path.exists(first)
+    assert sorted(os.listdir(root)) == ["second"]
+
+
+@pytest.mark.dist
+def test_saving_one_path_twice_keeps_it(tmp_path):
+    """max_ckpt_to_keep counts distinct paths: a re-save to the same path neither duplicates the
+    entry nor prunes the folder it just wrote."""
+    from forked import shared_server
+
+    path = write_tiny_model(str(tmp_path / "model"))
+    shared_server().run(__name__, "save_one_path_twice", 1, path, str(tmp_path / "ckpt")).check()
+
+
+def _damage(rank: int, good: str, root: str) -> dict[str, str]:
+    """Copies of `good`, each with one defect (rank 0 writes them); returns {defect: folder}."""
+    import torch.distributed as dist
+
+    shard = sorted(f for f in os.listdir(os.path.join(good, "dcp")) if f.endswith(".distcp"))[-1]
+    cases = {
+        "missing extra_rank1.pt": ("extra_rank1.pt", "remove"),
+        f"missing {shard}": (f"dcp/{shard}", "remove"),
+        f"truncated {shard}": (f"dcp/{shard}", "truncate"),
+        "damaged dcp/.metadata": ("dcp/.metadata", "garble"),
+    }
+    folders = {}
+    for i, (defect, (name, how)) in enumerate(cases.items()):
+        folder = os.path.join(root, f"case{i}")
+        folders[defect] = folder
+        if rank != 0:
+            continue
+        shutil.copytree(good, folder)
+        file = os.path.join(folder, name)
+        if how == "remove":
+            os.remove(file)
+        elif how == "truncate":
+            os.truncate(file, os.path.getsize(file) // 2)
+        else:
+            with open(file, "wb") as f:
+                f.write(b"not a pickle")
+    dist.barrier()
+    return folders
+
+
+def failing_loads(rank: int, world_size: int, path: str, root: str) -> None:
+    engine = _engine(path)
+    _train(engine, range(1), rank, world_size)
+    good = os.path.join(root, "good")
+    engine.save_checkpoint(good, global_step=1)
+    saved = _weights(engine)
+    current = _perturbed(engine, 0.5)
+    lr = engine.lr_scheduler.get_last_lr()
+    for defect, folder in _damage(rank, good, root).items():
+        expected_type = FileNotFoundError if defect.startswith("missing") else ValueError  # CheckpointError's bases
+        with pytest.raises(expected_type) as raised:
+            engine.load_checkpoint(folder)
+        message = str(raised.value)
+        assert folder in message and defect.split()[-1] in message and "\n" not in message, message
+        _assert_weights(engine, current)  # nothing was restored before the check failed
+        assert engine.lr_scheduler.get_last_lr() == lr
+    engine.load_checkpoint(good)
+    _assert_weights(engine, saved)
+
+
+def world_size_change(rank: int, world_size: int, path: str, folder: str, saved_file: str) -> None:
+    """A 2-rank checkpoint on 1 rank: per-rank state refused, model and optimizer load."""
+    engine = _engine(path)
+    current = _perturbed(engine, 0.5)
+    with pytest.raises(ValueError, match="saved by 2 ranks, this job has 1"):
+        engine.load_checkpoint(folder)
+    _assert_weights(engine, current)
+    model_and_optimizer = _engine(path, contents=("model", "optimizer"))
+    model_and_optimizer.load_checkpoint(folder)
+    _assert_weights(model_and_optimizer, torch.load(saved_file))
+
+
+def _save_weights(rank: int, world_size: int, path: str, folder: str, saved_file: str) -> None:
+    engine = _engine(path)
+    _train(engine, range(1), rank, world_size)
+    engine.save_checkpoint(folder, global_step=1)
+    weights = _weights(engine)
+    if rank == 0:
+        torch.save(weights, saved_file)
+
+
+@pytest.mark.dist
+def test_failing_load_fails_on_every_rank_before_restoring(tmp_path):
+    """A missing or damaged file on any rank: every rank raises one clear error naming it, with the
+    engine untouched; a 2-rank checkpoint with per-rank state is refused on 1 rank."""
+    from forked import shared_server
+
+    server = shared_server()
+    path = write_tiny_model(str(tmp_path / "model"))
+    server.run(__name__, "failing_loads", 2, path, str(tmp_path / "ckpt"), timeout=120).check()
+    folder, saved_file = str(tmp_path / "two_ranks"), str(tmp_path / "two_ranks.pt")
+    server.run(__name__, "_save_weights", 2, path, folder, saved_file).check()
+    server.run(__name__, "world_size_change", 1, path, folder, saved_file).check()
+
+
+class _Hostile:
+    """Unpickling this runs code: it creates `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def hostile_extra_state(rank: int, world_size: int, path: str, root: str) -> None:
+    import random
+
+    import numpy as np
+
+    engine = _engine(path)
+    _train(engine, range(1), rank, world_size)
+    folder = os.path.join(root, "ckpt")
+    engine.save_checkpoint(folder, global_step=1)
+    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3))
+    # the RNG states come back through weights_only loading (python, numpy and torch alike)
+    engine.load_checkpoint(folder)
+    assert (random.random(), np.random.rand(3).tolist()) == draws[:2] and torch.equal(torch.rand(3), draws[2])
+    torch.load(os.path.join(folder, "extra_rank0.pt"), weights_only=True)  # plain data only
+    marker = os.path.join(root, "code_ran")
+    torch.save({"lr_scheduler": _Hostile(marker), "rng": {}}, os.path.join(folder, "extra_rank0.pt"))
+    current = _perturbed(engine, 0.5)
+    with pytest.raises(BaseException) as raised:
+        engine.load_checkpoint(folder)
+    assert not os.path.exists(marker), "loading extra_rank0.pt ran code"
+    assert isinstance(raised.value, ValueError) and "extra_rank0.pt is damaged or not plain data" in str(raised.value)
+    _assert_weights(engine, current)
+
+
+@pytest.mark.dist
+def test_extra_state_is_read_without_running_code(tmp_path):
+    """A pickle that runs code, dropped in as extra_rank0.pt, is refused and runs nothing."""
+    from forked import shared_server
+
+    path = write_tiny_model(str(tmp_path / "model"))
+    shared_server().run(__name__, "hostile_extra_state", 1, path, str(tmp_path)).check()
