@@ -47,9 +47,11 @@ def unavailable(provider: str) -> str | None:
         if dev.device_type() != "cuda":
             return "Liger's fused MoE runs on cuda here"
         try:
-            importlib.import_module("liger_kernel.ops.fused_moe")
+            module = importlib.import_module("liger_kernel.ops.fused_moe")
         except Exception as exc:  # report why instead of failing the whole run
             return f"liger_kernel has no fused MoE here: {exc!r}"
+        if not hasattr(module, "LigerFusedMoEFunction"):
+            return "liger_kernel.ops.fused_moe has no LigerFusedMoEFunction in this version"
     if provider == "transformers":
         try:
             _hf_experts_class()

@@ -7,11 +7,13 @@ values without an fp32 copy of hidden); the kernel writes topk_weight [N, TOPK] 
 [N, TOPK] int64. The experts are chosen by their logits (the order of the probabilities, without
 the rounding of exp); on exact ties the lower expert id comes first (torch.topk leaves ties in an
 unspecified order). Backward: d topk_weight (and d logits, from the load-balancing loss) -> d logits
-through the renormalisation and the softmax in fp32, then the GEMM backward in fp32 torch.
+through the renormalisation and the softmax in fp32, then the GEMM backward to fp32 accuracy in torch
+(for bf16 operands as two bf16 GEMMs over a hi/lo split of d logits: `_mm_fp32`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -215,12 +217,44 @@ def router_topk_bwd(
     return out
 
 
+@functools.cache
+def _mm_takes_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has a 16-bit CUDA mm with fp32 output (`torch.mm(..., out_dtype=)`, torch >= 2.8)."""
+    try:
+        torch.mm(torch.zeros(16, 16, dtype=dtype, device=device), torch.zeros(16, 16, dtype=dtype, device=device),
+                 out_dtype=torch.float32)  # fmt: skip
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def _gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """hidden [N, D] @ gate_weight[E, D].T in fp32 -> [N, E] fp32."""
+    """hidden [N, D] @ gate_weight[E, D].T in fp32 -> [N, E] fp32. Where the 16-bit mm with fp32 output
+    exists (CUDA) it is the fp32 GEMM of the same values (16-bit products are exact in fp32, fp32
+    accumulation) without an fp32 copy of hidden; elsewhere the operands are upcast."""
     sixteen = (torch.bfloat16, torch.float16)
-    if hidden.is_cuda and hidden.dtype in sixteen and gate_weight.dtype == hidden.dtype:
+    if (
+        hidden.is_cuda
+        and hidden.dtype in sixteen
+        and gate_weight.dtype == hidden.dtype
+        and _mm_takes_fp32_out(hidden.device, hidden.dtype)
+    ):
         return torch.mm(hidden, gate_weight.t(), out_dtype=torch.float32)
     return F.linear(hidden.float(), gate_weight.float())
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] fp32 @ b [K, N] to fp32 accuracy, -> fp32. For a bf16 b, a = hi + lo in bf16 (exact to
+    ~2^-17 |a|) and two bf16 GEMMs with fp32 output (the products of bf16 values are exact in fp32):
+    the accuracy of the fp32 GEMM at tensor-core speed and without an fp32 copy of b. Where no such mm
+    exists (CPU) the same two products run upcast."""
+    if b.dtype != torch.bfloat16:
+        return a @ b.float()
+    hi = a.to(torch.bfloat16)
+    lo = (a - hi.float()).to(torch.bfloat16)
+    if b.is_cuda and _mm_takes_fp32_out(b.device, b.dtype):
+        return torch.mm(hi, b, out_dtype=torch.float32) + torch.mm(lo, b, out_dtype=torch.float32)
+    return hi.float() @ b.float() + lo.float() @ b.float()
 
 
 @dataclass(frozen=True)
@@ -247,12 +281,8 @@ class RouterFunction(torch.autograd.Function):
     def backward(ctx, dlogits, dweight, _didx):
         hidden, gate_weight, logits, idx = ctx.saved_tensors
         dz = router_topk_bwd(logits, idx, dweight, dlogits, ctx.opts.renorm)
-        dhidden = dgate = None
-        # the GEMM backward in fp32 (transient fp32 copies of the 16-bit operands)
-        if ctx.needs_input_grad[0]:
-            dhidden = (dz @ gate_weight.float()).to(hidden.dtype)
-        if ctx.needs_input_grad[1]:
-            dgate = (dz.t() @ hidden.float()).to(gate_weight.dtype)
+        dhidden = _mm_fp32(dz, gate_weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        dgate = _mm_fp32(dz.t(), hidden).to(gate_weight.dtype) if ctx.needs_input_grad[1] else None
         return dhidden, dgate, None
 
 

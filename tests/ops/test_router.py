@@ -171,7 +171,8 @@ def test_triton_ties_take_the_lower_expert_first():
 @pytest.mark.parametrize("norm", [True, False], ids=["renorm", "raw"])
 def test_triton_gradients_match_fp64(dtype, norm):
     """d hidden and d gate_weight of a loss on the combine weights plus the load-balancing loss on the
-    logits (the two ways the router's outputs are used) against the fp64 router."""
+    logits (the two ways the router's outputs are used) against the fp64 router; in bf16 the error is
+    that of rounding the exact gradient to bf16 (the GEMM backward keeps fp32 accuracy)."""
     N, D, E, top_k = 40, 24, 16, 4
     h, w = _router_inputs(N, D, E, dtype)
     dtw = torch.randn(N, top_k, device=DEV)
@@ -188,6 +189,8 @@ def test_triton_gradients_match_fp64(dtype, norm):
     for name, r, g in zip(("dhidden", "dgate_weight"), ref, got):
         assert g.dtype == dtype
         assert_rel_rms(name, r, g, tol)
+        if dtype == torch.bfloat16:  # fp32-accurate up to the output's own rounding (a bf16 d logits: ~1.4x)
+            assert rel_rms(r, g) <= 1.2 * rel_rms(r, r.to(dtype)), name
 
 
 def test_triton_bf16_hidden_topk_sets_match_fp64():
