@@ -189,6 +189,23 @@ def _balanced_bins(seq_lens: list[int], num_bins: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def _agreed_max(values: list[int], problem: str | None, dp_group) -> list[int]:
+    """Max of each of `values` over the data-parallel group (pass -x for a min). When any rank has a
+    `problem`, every rank raises it as a ValueError (so none is left waiting in a collective)."""
+    local = torch.tensor([int(problem is not None), *values], dtype=torch.int64, device=device.current_device())
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=dp_group)
+    failed, *agreed = local.tolist()
+    if failed:
+        problems = [problem]
+        if dist.is_initialized():
+            problems = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(problems, problem, group=dp_group)
+        rank, message = next((rank, p) for rank, p in enumerate(problems) if p is not None)
+        raise ValueError(message if problem is not None else f"data-parallel rank {rank}: {message}")
+    return agreed
+
+
 def split_micro_batches(
     seq_lens: list[int],
     *,
@@ -197,34 +214,47 @@ def split_micro_batches(
     max_token_len: int | None,
     dp_group=None,
 ) -> list[list[int]]:
-    """Indices of each micro-batch (every data-parallel rank gets the same count).
+    """Indices of each micro-batch; every data-parallel rank gets the same count (FSDP runs its
+    collectives once per forward, so a rank with one forward more would wait forever).
 
-    By count: consecutive chunks of `micro_batch_size` sequences (the last may be shorter).
+    By count: consecutive chunks of `micro_batch_size` sequences (the last may be shorter); the
+    ranks must hold as many chunks (verl's dispatch gives them equal batches), else all raise.
     Dynamic: k = ceil(tokens / max_token_len), raised to the largest k over the data-parallel
-    group (FSDP needs every rank to run as many forwards), then balanced by tokens.
+    group, then balanced by tokens.
 
-    Raises ValueError on a micro-batch size larger than the batch, a sequence longer than
-    `max_token_len`, or more micro-batches than sequences on this rank.
+    Raises ValueError, on every rank of `dp_group` together, on an empty batch, a micro-batch
+    size larger than the batch, a sequence longer than `max_token_len`, ranks whose counts differ
+    (by count) or a rank with fewer sequences than the agreed count (dynamic).
     """
     n = len(seq_lens)
+    problem = None
     if n == 0:
-        raise ValueError("empty batch")
-    if use_dynamic_bsz:
+        problem = "empty batch"
+    elif use_dynamic_bsz:
         if max_token_len is None or max_token_len <= 0:
-            raise ValueError(f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {max_token_len}")
-        if max(seq_lens) > max_token_len:
-            raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds max_token_len_per_gpu={max_token_len}")
-        count = torch.tensor([-(-sum(seq_lens) // max_token_len)], dtype=torch.int64, device=device.current_device())
-        if dist.is_initialized():
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-        num_bins = int(count.item())
-        if num_bins > n:
-            raise ValueError(f"{num_bins} micro-batches needed to match other ranks, but this rank has {n} sequences")
+            problem = f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {max_token_len}"
+        elif max(seq_lens) > max_token_len:
+            problem = f"a sequence of {max(seq_lens)} tokens exceeds max_token_len_per_gpu={max_token_len}"
+        count = 0 if problem else -(-sum(seq_lens) // max_token_len)
+        num_bins, neg_fewest = _agreed_max([count, -n], problem, dp_group)
+        if num_bins > -neg_fewest:
+            raise ValueError(
+                f"{num_bins} micro-batches needed to match the ranks' largest token count, but a "
+                f"data-parallel rank holds only {-neg_fewest} sequences (this rank: {n})"
+            )
         return _balanced_bins(seq_lens, num_bins)
-    if micro_batch_size is None or micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size_per_gpu must be positive, got {micro_batch_size}")
-    if micro_batch_size > n:
-        raise ValueError(f"micro_batch_size_per_gpu={micro_batch_size} is larger than the batch on this rank ({n})")
+    elif micro_batch_size is None or micro_batch_size <= 0:
+        problem = f"micro_batch_size_per_gpu must be positive, got {micro_batch_size}"
+    elif micro_batch_size > n:
+        problem = f"micro_batch_size_per_gpu={micro_batch_size} is larger than the batch on this rank ({n})"
+    count = 0 if problem else -(-n // micro_batch_size)
+    most, neg_least = _agreed_max([count, -count], problem, dp_group)
+    if most != -neg_least:
+        raise ValueError(
+            f"data-parallel ranks hold {-neg_least} to {most} micro-batches of micro_batch_size_per_gpu="
+            f"{micro_batch_size} (this rank: {n} sequences, {count}); every rank must run as many "
+            "forwards: give the ranks equal batches, or use_dynamic_bsz"
+        )
     return [list(range(start, min(start + micro_batch_size, n))) for start in range(0, n, micro_batch_size)]
 
 
