@@ -7,10 +7,10 @@ atomics: deterministic).
 
 Two sets of token moves run this pipeline: the Triton ones (counting sort, row scatter/gather-sum and
 the weighted SwiGLU as Triton kernels, `permute.py` / `swiglu.py`) and `TORCH_MOVES` (argsort and
-indexing, `reference.py`), as the "triton" and "grouped" implementations. With the Triton moves and
-F.grouped_mm the whole MLP is one autograd Function that saves only the gate_up output (`mlp.py`). The grouped GEMM is
+indexing, `reference.py`), as the "triton" and "grouped" implementations. The grouped GEMM is
 `torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype and strides; otherwise
-(fp64, rows not 16-byte aligned, NPU) a loop over the expert segments.
+(fp64, rows not 16-byte aligned, NPU) a loop over the expert segments. With the Triton moves and
+grouped_mm the whole MLP is one autograd Function that saves only the gate_up output (`mlp.py`).
 
 Numerics: the combine weights multiply silu(gate) * up in fp32 (before the down projection, which is
 linear) and each token's TOPK outputs are summed in fp32; outputs in hidden's dtype. For fp32 inputs

@@ -176,9 +176,10 @@ def moe_sort(ids: torch.Tensor, num_experts: int) -> Routing:
     dev = ids.device
     dest = torch.empty(S, dtype=torch.int32, device=dev)
     src = torch.empty(S, dtype=torch.int32, device=dev)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     if S == 0:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         return Routing(dest, src, counts, counts.clone())
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)  # every expert's program writes it
     ids = ids.contiguous()
     n_blocks = cdiv(S, SORT_BS)
     meta = _sort_meta({"E": num_experts})

@@ -6,6 +6,9 @@ up_proj concatenated in that order); down_proj[e] is [D, I]. Expert e computes
 down_proj[e] @ (silu(gate) * up). The expert GEMMs run in the weights' dtype; the combine
 (weighting by the router and summing over TOPK) runs in promote(hidden dtype, topk_weight dtype),
 so an fp32 router keeps fp32 combine weights even for a bf16 model.
+
+Below it, the torch versions of the grouped pipeline's token moves (`Routing`, sort, permute, weighted
+SwiGLU, unpermute): the "grouped" implementation's steps and the references of the Triton ones.
 """
 
 from __future__ import annotations
