@@ -22,9 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from ..varlen import host_values
-from .reference import check_attention_inputs
+from .reference import causal_attention_ref, check_attention_inputs
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Mean packed length from which CUDA runs one SDPA call per sequence instead (cuDNN's attention, what
+# SDPA picks on Hopper): at K=256 FlashAttention-2 is slower on long sequences (H200, H16/HKV2, bf16,
+# fwd+bwd, 16384 tokens: one sequence flash varlen 28.9 ms vs per-sequence SDPA 19.2 ms; 16 sequences
+# 4.9 vs 13.5 ms; 64 sequences 2.1 vs 37.9 ms). The crossover between 1024 and 16384 is not measured.
+LONG_SEQUENCE = 4096
 FLASH_MAX_HEAD_DIM = 256
 NPU_MASK_SIZE = 2048  # npu_fusion_attention's compressed causal mask for sparse_mode 3
 
@@ -141,6 +146,8 @@ def causal_attention_varlen(
     if kind == "npu":
         return _npu_varlen(q3, k3, v3, offsets[1:], scale).reshape(B, T, H, K)
     max_len = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    if offsets[-1] >= LONG_SEQUENCE * (len(offsets) - 1):
+        return causal_attention_ref(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
     if cu_seqlens is None:  # built on the device: a host tensor's copy would wait for queued work
         cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
     else:
