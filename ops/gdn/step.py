@@ -3,7 +3,10 @@
 Per value head, with state S [K, V]: S <- S * exp(g); u = beta * (v - S^T k); S <- S + k u^T;
 o = S^T (scale * q) (see `reference.py`). `gated_delta_rule_step_ref` runs the token-by-token
 reference (`recurrent_gated_delta_rule_ref`) for one token per sequence; `gated_delta_rule_step`
-is the same math batched over the N sequences in a few einsums (the CPU and default path).
+is the same math batched over the N sequences in a few einsums (the CPU path);
+`step_kernel.gated_delta_rule_step_triton` does it in one kernel that reads and writes each state tile once
+(the cuda/npu default: a decode step is bound by the [N, HV, K, V] fp32 state traffic, which the
+einsum form moves about five times).
 
 The op resolves as `resolve("gdn.step")` (IMPLS below).
 """
@@ -16,6 +19,7 @@ from .reference import recurrent_gated_delta_rule_ref
 
 IMPLS = {
     "torch": "verl_moe.ops.gdn.step:gated_delta_rule_step",
+    "triton": "verl_moe.ops.gdn.step_kernel:gated_delta_rule_step_triton",
     "reference": "verl_moe.ops.gdn.step:gated_delta_rule_step_ref",
 }
 

@@ -171,3 +171,27 @@ def test_step_ops_reject_bad_shapes():
         gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0[:1])
     with pytest.raises(ValueError, match="conv_state must be"):
         causal_conv1d_step_ref(torch.zeros(2, 6), torch.zeros(2, 6, 2), torch.zeros(6, 4))
+
+
+@pytest.mark.parametrize(
+    "dtype,tol,l2norm,shape",
+    [
+        (torch.float32, 1e-6, True, (3, 2, 4, 16, 8)),  # N, H, HV, K, V
+        (torch.float32, 1e-6, False, (2, 1, 3, 12, 40)),  # K not a power of two, V over two BV blocks
+        (torch.bfloat16, 1e-2, True, (3, 2, 4, 16, 8)),
+    ],
+)
+def test_gdn_step_triton_equals_fp64_reference(dtype, tol, l2norm, shape):
+    """The Triton step (interpreter on CPU) vs the fp64 reference, over three tokens (state carried)."""
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_step_triton
+
+    N, H, HV, K, V = shape
+    q, k, v, g, beta, s0 = _gdn_inputs(N, 3, H, HV, K, V, dtype)
+    state_ref, state = s0.double(), s0.float()
+    for t in range(3):
+        args = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        o_ref, state_ref = gated_delta_rule_step(*(a.double() for a in args), state_ref, use_qk_l2norm_in_kernel=l2norm)
+        o, state = gated_delta_rule_step_triton(*args, state, use_qk_l2norm_in_kernel=l2norm)
+        assert o.dtype == dtype and state.dtype == torch.float32
+        assert_rel_rms(f"triton step o t={t}", o_ref, o, tol)
+    assert_rel_rms("triton step state", state_ref, state, tol)
