@@ -256,6 +256,10 @@ def _write_marker(folder: str, marker: dict) -> None:
 
 
 def _first_line(error: BaseException) -> str:
+    """`Type: first line` of an error; for DCP's CheckpointException, of the first rank's cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items(), key=lambda item: item[0])))
+        return f"rank {rank}: {_first_line(cause)}"
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
@@ -303,7 +307,10 @@ def save(path: str, *, model: nn.Module, optimizer, lr_scheduler, global_step: i
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         contents.append("optimizer")
-    dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+    try:
+        dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+    except CheckpointException as e:  # raised on every rank
+        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed ({_first_line(e)})") from e
     extra = {"global_step": global_step, "rng": _rng_state(), "world_size": world_size}
     if lr_scheduler is not None:
         extra["lr_scheduler"] = lr_scheduler.state_dict()
@@ -314,12 +321,16 @@ def save(path: str, *, model: nn.Module, optimizer, lr_scheduler, global_step: i
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if hf_export:
-            _export_hf(model, os.path.join(tmp, "huggingface"))
-            contents.append("hf_model")
     except (OSError, ValueError) as e:
         problem = e
     _agree(problem, what)
+    if hf_export:  # after the agreement: every rank must enter its gather
+        try:
+            _export_hf(model, os.path.join(tmp, "huggingface"))
+            contents.append("hf_model")
+        except (OSError, ValueError) as e:
+            problem = e
+        _agree(problem, what)
     if rank == 0:
         try:
             _fsync_tree(tmp)
