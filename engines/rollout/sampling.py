@@ -25,7 +25,7 @@ import torch
 
 GREEDY_EPS = 1e-5  # vLLM's: temperatures below it mean greedy
 # Keys verl's agent loops and LLMServerClient send that change nothing here.
-_IGNORED_KEYS = ("n", "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs")
+_IGNORED_KEYS = ("n", "detokenize", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class SamplingParams:
         """
         known = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "logprobs", "seed", "ignore_eos"}
         known |= {"stop_token_ids", "min_tokens", "max_tokens", "max_new_tokens"}
-        unknown = sorted(set(params) - known - set(_IGNORED_KEYS))
+        given = {k for k, v in params.items() if v is not None}  # None means "not set"
+        unknown = sorted(given - known - set(_IGNORED_KEYS))
         if unknown:
             raise ValueError(f"sampling parameter(s) {unknown} not supported by the verl_moe rollout")
         kwargs = {k: params[k] for k in known - {"max_tokens", "max_new_tokens"} if params.get(k) is not None}

@@ -75,6 +75,8 @@ class MoeRolloutServer:
             config if isinstance(config, RolloutConfig) else omega_conf_to_dataclass(config, RolloutConfig)
         )
         self.options = RolloutOptions.from_rollout_config(self.config)
+        if self.config.enable_rollout_routing_replay:
+            raise ValueError("verl_moe rollout does not return routed experts: set enable_rollout_routing_replay=False")
         self.replica_rank, self.rollout_mode = replica_rank, rollout_mode
         self.engine = engine if engine is not None else RayEngineClient(workers[0], replica_rank)
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)

@@ -293,6 +293,10 @@ def test_server_refuses_what_it_cannot_do():
         asyncio.run(server.generate([1], {}, "x", image_data=[object()]))
     with pytest.raises(ValueError, match="no room"):
         asyncio.run(server.generate(list(range(1, 30)), {}, "y"))
+    with pytest.raises(ValueError, match="routed experts"):
+        MoeRolloutServer(_rollout_config(enable_rollout_routing_replay=True), engine=object())
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        asyncio.run(server.generate([1], {"prompt_logprobs": 1}, "z"))
     with pytest.raises(ValueError, match="unknown key"):
         MoeRolloutServer(_rollout_config(engine_kwargs={"verl_moe": {"steps": 3}}), engine=object())
 
