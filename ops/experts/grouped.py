@@ -8,8 +8,9 @@ atomics: deterministic).
 Two sets of token moves run this pipeline: the Triton ones (counting sort, row scatter/gather-sum and
 the weighted SwiGLU as Triton kernels, `permute.py` / `swiglu.py`) and `TORCH_MOVES` (argsort and
 indexing, `reference.py`), as the "triton" and "grouped" implementations. The grouped GEMM is
-`torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype and strides; otherwise
-(fp64, rows not 16-byte aligned, NPU) a loop over the expert segments. With the Triton moves and
+`torch.nn.functional.grouped_mm` (CUDA sm80+, CPU) where it takes the dtype and strides; else our
+Triton grouped GEMM (`grouped_gemm.py`: NPU, unaligned rows on CUDA, the interpreter); else (fp64,
+plain CPU) a loop over the expert segments. With the Triton moves and
 grouped_mm the whole MLP is one autograd Function that saves only the gate_up output (`mlp.py`).
 
 Numerics: the combine weights multiply silu(gate) * up in fp32 (before the down projection, which is
@@ -43,6 +44,16 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return _grouped_mm_takes(x, x.shape[-1], w.shape[-1], w.shape[-2])
 
 
+def _triton_grouped_gemm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether our Triton grouped GEMM takes these operands: 16/32-bit floats on an accelerator (or
+    under TRITON_INTERPRET=1), at most its expert limit. fp64 and plain CPU keep the segment loop."""
+    from ..common.launch import interpreting
+
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.shape[0] > 1024:
+        return False
+    return x.device.type != "cpu" or interpreting()
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x: [S, IN] rows sorted by group; weight: [E, OUT, IN]; offsets: [E] int32 cumulative row ends.
     Returns [S, OUT]: row s of group e is x[s] @ weight[e].T."""
@@ -51,6 +62,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
         return x @ w_t[0] + 0 * weight.sum()
     if _grouped_mm_ok(x, weight):
         return F.grouped_mm(x, w_t, offs=offsets)
+    if _triton_grouped_gemm_ok(x, weight):  # NPU, unaligned rows on cuda, the interpreter
+        from .grouped_gemm import grouped_gemm
+
+        return grouped_gemm(x, weight, offsets)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     return torch.cat([x[s:e] @ w_t[g] for g, (s, e) in enumerate(zip(starts, ends))], dim=0)

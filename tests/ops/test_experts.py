@@ -263,3 +263,20 @@ def test_triton_saves_only_the_gate_up_output():
         resolve("experts", "triton")(args[0], args[1], args[2], idx, args[3])
     S = N * TOPK
     assert [s for s in saved if len(s) == 2 and s[0] == S] == [(S, 2 * I)], saved
+
+
+def test_grouped_linear_takes_the_triton_grouped_gemm_without_grouped_mm(monkeypatch):
+    """Where F.grouped_mm cannot run (NPU, unaligned rows on cuda), grouped_linear runs our Triton grouped
+    GEMM instead of a per-expert loop; it equals the fp64 loop."""
+    from verl_moe.ops.experts import grouped, grouped_gemm
+
+    calls = []
+    real = grouped_gemm.grouped_gemm
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(grouped, "_grouped_mm_ok", lambda x, w: False)
+    x, w = torch.randn(20, 16), torch.randn(3, 8, 16)
+    offsets = torch.tensor([5, 5, 20], dtype=torch.int32)
+    y = grouped.grouped_linear(x, w, offsets)
+    ref = grouped.grouped_linear(x.double(), w.double(), offsets)  # fp64 takes the segment loop
+    assert calls == [1]
+    assert_rel_rms("y", ref, y, 1e-6)
