@@ -231,25 +231,36 @@ def _adapter(config: RolloutConfig, eos=None) -> MoeRolloutAdapter:
     return MoeRolloutAdapter(config, model_config, device_mesh=None, replica_rank=0)
 
 
-def test_server_generate_batched_greedy_with_logprobs():
+def test_server_generate_batched_greedy_follows_weight_updates():
     model = _model()
     config = _rollout_config()
     adapter = _adapter(config)
     server = MoeRolloutServer(config, engine=LocalEngineClient(adapter))
 
+    updated = _model(seed=1)  # the next step's policy
+    greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+    async def generate_all(tag):
+        return await asyncio.gather(
+            *[server.generate(list(p), dict(greedy), f"{tag}{i}") for i, p in enumerate(PROMPTS)]
+        )
+
     async def scenario():
         await adapter.resume(["weights"])
         await adapter.update_weights(vm.to_vllm_named_tensors(model), global_steps=3)
-        greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
-        return await asyncio.gather(*[server.generate(list(p), dict(greedy), f"req{i}") for i, p in enumerate(PROMPTS)])
+        first = await generate_all("a")
+        await server.sleep()
+        await adapter.resume(["weights"])
+        await adapter.update_weights(vm.to_vllm_named_tensors(updated), global_steps=4)
+        return first, await generate_all("b")
 
-    outs = asyncio.run(scenario())
-    for prompt, out in zip(PROMPTS, outs):
-        assert len(out.token_ids) == config.response_length  # no max_tokens sent: capped at response_length
-        assert out.stop_reason == "completed" and out.extra_fields["global_steps"] == 3
-        lp_ref, argmax = _full_logprobs(model, prompt, out.token_ids)
-        assert out.token_ids == argmax.tolist()
-        assert (torch.tensor(out.log_probs) - lp_ref).abs().max().item() <= 1e-5
+    for policy, step, outs in zip((model, updated), (3, 4), asyncio.run(scenario())):
+        for prompt, out in zip(PROMPTS, outs):
+            assert len(out.token_ids) == config.response_length  # no max_tokens sent: capped at response_length
+            assert out.stop_reason == "completed" and out.extra_fields["global_steps"] == step
+            lp_ref, argmax = _full_logprobs(policy, prompt, out.token_ids)
+            assert out.token_ids == argmax.tolist()
+            assert (torch.tensor(out.log_probs) - lp_ref).abs().max().item() <= 1e-5
 
 
 def test_server_abort_resume_and_sleep():
@@ -262,7 +273,8 @@ def test_server_abort_resume_and_sleep():
     async def scenario():
         await adapter.update_weights(vm.to_vllm_named_tensors(model))
         tasks = [asyncio.create_task(server.generate(list(p), dict(params), f"a{i}")) for i, p in enumerate(PROMPTS)]
-        await asyncio.sleep(0.05)  # the first engine call (steps_per_call tokens) has run
+        while adapter._engine.num_running == 0:  # until the first engine call has admitted them
+            await asyncio.sleep(0)
         aborted = await server.abort_all_requests()
         partial = await asyncio.gather(*tasks)
         parked = asyncio.create_task(server.generate([1, 2], dict(params), "late"))
