@@ -2,10 +2,12 @@
 
 Forward, one launch: per row h = x (+ residual, rounded to x.dtype as the model's bf16 add),
 rstd = rsqrt(mean(h^2) + eps) in fp32, y with the reference's rounding points (`reference.py`);
-writes y, h (residual only) and rstd [rows] fp32. Backward, one launch and a torch sum: dx (which is
-also d residual), d gate, and d weight as per-program fp32 partial sums [programs, D] (no atomics)
-that torch sums. Saved for backward: x (or h) and gate in their dtype, plus rstd, the one fp32
-tensor (4 bytes a row; recomputing it would read every row once more).
+writes y, h (residual only) and rstd [rows] fp32; one program per block of rows. Backward, one launch
+and a torch sum: dx (which is also d residual), d gate, and d weight as per-program fp32 partial sums
+[programs, D] (no atomics) that torch sums; about two persistent programs a core (a fixed set of row
+blocks each), their row loop software-pipelined through shared memory, d weight kept in registers.
+Saved for backward: x (or h) and gate in their dtype, plus rstd, the one fp32 tensor (4 bytes a row;
+recomputing it would read every row once more).
 
 Rows wider than MAX_BD loop over D blocks: the forward reads a row twice (statistic, then output);
 the backward first writes each row's mean(g * x_hat) (g = d loss / d x_hat) with
@@ -41,21 +43,25 @@ FWD_CONFIGS = [
     {"TILE": 16384, "num_warps": 8},
     {"TILE": 16384, "num_warps": 16},
 ]
-# sm_90 builds (Triton 3.9, bf16): every forward config and the backward ones below stay within their
-# registers (backward 80-162 a thread); backward TILE 4096 with 4 warps spills 8 bytes when gated, and
-# TILE 16384 with 16 warps (128 registers at most) spills 24-320 bytes, so it is left out.
+# Backward: persistent programs (`_bwd_programs`) whose row loop is pipelined over STAGES blocks in
+# shared memory. sm_90 builds (Triton 3.9, D 128 / 256 / 2048 / 8192), bf16: the first config 113-128
+# registers a thread (two programs a core), <= 33 KiB shared, no spills (fp32 inputs: 100-165, no
+# spills); TILE 4096 / 3 stages 96-170; TILE 8192 / 16 warps 98-128 with no spills (fp32: 40 bytes
+# gated, and D 8192 needs 256 KiB of shared memory, which the autotuner skips); TILE 8192 / 8 warps
+# 141-250 (fp32: spills 8 bytes gated). TILE 4096 with 4 warps takes 187-255 and spills gated.
 BWD_CONFIGS = [
-    {"TILE": 4096, "num_warps": 8},
-    {"TILE": 4096, "num_warps": 4},
-    {"TILE": 8192, "num_warps": 8},
-    {"TILE": 8192, "num_warps": 16},
+    {"TILE": 4096, "STAGES": 2, "num_warps": 8},
+    {"TILE": 4096, "STAGES": 3, "num_warps": 8},
+    {"TILE": 8192, "STAGES": 3, "num_warps": 16},
+    {"TILE": 8192, "STAGES": 2, "num_warps": 8},
 ]
 DOT_CONFIGS = [{"TILE": 4096, "num_warps": 4}, {"TILE": 8192, "num_warps": 8}]
-# Backward programs: each writes one [D] fp32 partial of d weight, so it should own at least
-# ROWS_PER_PROGRAM rows (the partials then cost a few percent of the row traffic); at most
-# PROGRAMS_PER_CORE a core.
+# Backward programs: each writes one [D] fp32 partial of d weight that torch sums again (8 D bytes), so
+# it owns ROWS_PER_PROGRAM rows or more (each row moves >= 6 D bytes: the partials cost <= 4%); and
+# PROGRAMS_PER_CORE a core, so that they all run at once (two programs of <= 128 registers fit a core)
+# or in two equal waves, never a short last wave of programs that each walk many rows.
 ROWS_PER_PROGRAM = 32
-PROGRAMS_PER_CORE = 8
+PROGRAMS_PER_CORE = 2
 # Documented largest shapes for the static rule check: 32M rows (1M tokens x 32 heads), D up to 8192.
 MAX_SHAPES = (
     {"n_rows": 1 << 25, "D": 8192},
@@ -182,29 +188,22 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _bwd_terms(
-    dy,
-    x,
-    s_x,
-    gate,
-    s_gate,
-    w,
+    b_x,
+    b_dy,
+    b_z,
+    b_w,
     b_rstd,
-    o_r,
-    o_d,
-    m,
-    D: tl.constexpr,
+    x,
     UNIT_OFFSET: tl.constexpr,
     HAS_GATE: tl.constexpr,
     MID: tl.constexpr,
 ):
-    """One block: x_hat, dy_n (d loss / d of the normalised value times the weight, i.e. dy, or dy * silu(gate)),
-    g = d loss / d x_hat, and d gate (dy when not gated)."""
-    b_xh = _load_rows(x, s_x, o_r, o_d, m) * b_rstd[:, None]
-    b_dy = _load_rows(dy, D, o_r, o_d, m)
-    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)[None, :]
+    """fp32 blocks of x, dy, gate (read only when HAS_GATE) and weight [1, BD] -> x_hat, dy_n (d loss / d
+    of the normalised value times the weight: dy, or dy * silu(gate)), g = d loss / d x_hat and d gate
+    (dy when not gated)."""
+    b_xh = b_x * b_rstd[:, None]
     b_dz = b_dy
     if HAS_GATE:
-        b_z = _load_rows(gate, s_gate, o_r, o_d, m)
         b_s = tl.sigmoid(b_z)
         # the forward's pre-gate value as it rounded it; silu'(z) = s (1 + z (1 - s))
         b_y0 = _to(b_w * _to(b_xh, x.dtype.element_ty).to(tl.float32), MID).to(tl.float32)
@@ -246,8 +245,13 @@ def _rms_norm_bwd_dot_kernel(
         for i_d in range(0, D, BD):
             o_d = i_d + tl.arange(0, BD)
             m = m_r[:, None] & (o_d < D)[None, :]
+            b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)[None, :]
+            b_dy = _load_rows(dy, D, o_r, o_d, m)
+            b_z = b_dy  # read only when gated
+            if HAS_GATE:
+                b_z = _load_rows(gate, s_gate, o_r, o_d, m)
             b_xh, b_dy, b_g, b_dz = _bwd_terms(
-                dy, x, s_x, gate, s_gate, w, b_rstd, o_r, o_d, m, D, UNIT_OFFSET, HAS_GATE, MID
+                _load_rows(x, s_x, o_r, o_d, m), b_dy, b_z, b_w, b_rstd, x, UNIT_OFFSET, HAS_GATE, MID
             )
             b_c += tl.sum(b_g * b_xh, 1)
         tl.store(dot + o_r, b_c / D, mask=m_r)
@@ -271,39 +275,55 @@ def _rms_norm_bwd_kernel(
     D: tl.constexpr,
     BD: tl.constexpr,
     TILE: tl.constexpr,
+    STAGES: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
     HAS_GATE: tl.constexpr,
     HAS_DH: tl.constexpr,
     MID: tl.constexpr,
 ):
-    """Program i_p of P (1-D grid) takes row blocks i_p, i_p + P, ...: dx (+ dh, the gradient reaching h
-    directly) and dgate [rows, D] contiguous, and its d weight partial dw[i_p] [D] fp32. dy, dh
-    contiguous; x / gate with row strides. dot: the per-row means of `_rms_norm_bwd_dot_kernel`
-    when D > BD (unused otherwise)."""
+    """Program i_p of P (1-D grid, `_bwd_programs`: about two a core) takes the blocks of TILE // BD rows
+    i_p, i_p + P, ...: dx (+ dh, the gradient reaching h directly) and dgate [rows, D] contiguous, and
+    its d weight partial dw[i_p] [D] fp32. dy, dh contiguous; x / gate with row strides. dot: the
+    per-row means of `_rms_norm_bwd_dot_kernel` when D > BD (unused otherwise).
+
+    The programs are persistent, so they hide the memory latency themselves: the row loop is software
+    pipelined over STAGES blocks (the loads of the next STAGES - 1 blocks go to shared memory while
+    one is computed; `tl.range(num_stages=...)` pipelines loads that feed no tl.dot, the launch option
+    does not). d weight is summed elementwise in a [TILE // BD, BD] fp32 tile and reduced over its rows
+    once, at the end: no reduction across warps per block for it."""
     i_p = tl.program_id(0)
     for i_d in range(0, D, BD):  # one block unless D > BD
         o_d = i_d + tl.arange(0, BD)
-        b_dw = tl.zeros([BD], dtype=tl.float32)
-        for i_t in range(i_p, tl.cdiv(n_rows, TILE // BD), tl.num_programs(0)):
+        # loaded as a row, not a [1, BD] tile: a 2-D load of one row gets its own layout, which then
+        # spreads to the blocks' arithmetic (unvectorised, with layout conversions)
+        b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)[None, :]
+        b_dw = tl.zeros([TILE // BD, BD], dtype=tl.float32)
+        for i_t in tl.range(i_p, tl.cdiv(n_rows, TILE // BD), tl.num_programs(0), num_stages=STAGES):
             o_r = (i_t * (TILE // BD) + tl.arange(0, TILE // BD)).to(tl.int64)
             m_r = o_r < n_rows
             m = m_r[:, None] & (o_d < D)[None, :]
+            # every load of the block before the first reduction (one round trip when not pipelined)
             b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
-            b_xh, b_dy, b_g, b_dz = _bwd_terms(
-                dy, x, s_x, gate, s_gate, w, b_rstd, o_r, o_d, m, D, UNIT_OFFSET, HAS_GATE, MID
-            )
+            b_x = _load_rows(x, s_x, o_r, o_d, m)
+            b_dy = _load_rows(dy, D, o_r, o_d, m)
+            b_z = b_dy  # read only when gated
+            if HAS_GATE:
+                b_z = _load_rows(gate, s_gate, o_r, o_d, m)
+            if HAS_DH:
+                b_dh = _load_rows(dh, D, o_r, o_d, m)
+            if BD < D:
+                b_c = tl.load(dot + o_r, mask=m_r, other=0.0)
+            b_xh, b_dy, b_g, b_dz = _bwd_terms(b_x, b_dy, b_z, b_w, b_rstd, x, UNIT_OFFSET, HAS_GATE, MID)
             if BD >= D:
                 b_c = tl.sum(b_g * b_xh, 1) / D
-            else:
-                b_c = tl.load(dot + o_r, mask=m_r, other=0.0)
             b_dx = b_rstd[:, None] * (b_g - b_xh * b_c[:, None])
             if HAS_DH:
-                b_dx += _load_rows(dh, D, o_r, o_d, m)
+                b_dx += b_dh
             tl.store(dx + o_r[:, None] * D + o_d[None, :], _to(b_dx, dx.dtype.element_ty), mask=m)
             if HAS_GATE:
                 tl.store(dgate + o_r[:, None] * D + o_d[None, :], _to(b_dz, dgate.dtype.element_ty), mask=m)
-            b_dw += tl.sum(b_dy * b_xh, 0)
-        tl.store(dw + i_p * D + o_d, b_dw, mask=o_d < D)
+            b_dw += b_dy * b_xh
+        tl.store(dw + i_p * D + o_d, tl.sum(b_dw, 0), mask=o_d < D)
 
 
 def _meta(shape: dict) -> dict:

@@ -194,6 +194,18 @@ def test_triton_wide_rows_loop_over_blocks(monkeypatch, nan_poison):
         _check_against_fp64(leaves, cot, variant == "unit_offset", KERNEL_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("rows,D,cores", [(150, 130, 4), (100, 40, 8)], ids=["blocks_per_program", "idle_programs"])
+def test_triton_backward_programs_walk_row_blocks(rows, D, cores, monkeypatch, nan_poison):
+    """The backward's persistent programs: 5 programs over 10 blocks of 16 rows (two blocks each, the
+    last block 6 rows), and 4 programs over 2 blocks of 64 rows (two programs own no block and must
+    write zero d weight partials into the NaN-filled buffer)."""
+    monkeypatch.setattr(fused, "_cores", lambda: cores)
+    assert fused._bwd_programs(rows, cores) == {150: 5, 100: 4}[rows]
+    for variant, residual in (("unit_offset", True), ("gated", False)):
+        leaves, cot = _make((rows, D), torch.float32, variant, residual)
+        _check_against_fp64(leaves, cot, variant == "unit_offset", KERNEL_TOL[torch.float32])
+
+
 def test_triton_strided_rows_without_copy(nan_poison):
     """q/k norms get [B, T, H, K] views of a projection: rows with one stride are read in place (and
     their gradient reaches the projection); views whose rows do not flatten are copied."""
