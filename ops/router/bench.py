@@ -28,10 +28,12 @@ CASES.append({"id": "tiny-T64-D64-E16-top4", "T": 64, "D": 64, "E": 16, "topk": 
 PROVIDERS: tuple[str, ...] = ("triton", "torch", "transformers")
 REFERENCE = "torch"
 MODES = ("fwd", "fwd_bwd")
-# triton: the same fp32 math (ids equal; weights to ~1e-7). transformers: bf16 logits (rel RMS 1.7e-3
-# at T=8192 on CPU) pick another expert where two are nearly tied: the weights barely move (3.8e-3) but
-# those tokens' gradients land on another expert's logit (d_hidden, d_gate_weight 0.29): a loose gate.
-TOLERANCE: dict[str, float] = {"triton": 1e-4, "torch": 0.0, "transformers": 0.5}
+# triton: the same fp32 math in another summation order (logits 2.1e-6, weights 1.6e-6 on the H200):
+# a near-tied token whose 8th and 9th experts swap sends its gradient to another logit, d_hidden and
+# d_gate_weight 1.1e-2 at T=16384 (about one such token: sqrt(2 / 16384)); 0.05 leaves room for a few.
+# transformers: bf16 logits (rel RMS 1.7e-3 at T=8192 on CPU) flip many near ties: the weights barely
+# move (3.8e-3) but those tokens' gradients land on another expert's logit (0.29): a loose gate.
+TOLERANCE: dict[str, float] = {"triton": 5e-2, "torch": 0.0, "transformers": 0.5}
 
 
 def unavailable(provider: str) -> str | None:
@@ -85,7 +87,9 @@ def _forward(provider, hidden, weight, inputs):
     elif provider == "torch":
         logits, tw, _ = route_ref(hidden, weight, top_k, True)
     elif provider == "transformers":
-        module = inputs.setdefault("_hf_router", _hf_router(inputs["gate_weight"], top_k))
+        if "_hf_router" not in inputs:  # built once: a config and a module per call would be timed too
+            inputs["_hf_router"] = _hf_router(inputs["gate_weight"], top_k)
+        module = inputs["_hf_router"]
         module.weight = weight  # the leaf, or its detached view
         logits, tw, _ = module(hidden)
     else:

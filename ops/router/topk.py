@@ -7,8 +7,9 @@ values without an fp32 copy of hidden); the kernel writes topk_weight [N, TOPK] 
 [N, TOPK] int64. The experts are chosen by their logits (the order of the probabilities, without
 the rounding of exp); on exact ties the lower expert id comes first (torch.topk leaves ties in an
 unspecified order). Backward: d topk_weight (and d logits, from the load-balancing loss) -> d logits
-through the renormalisation and the softmax in fp32, then the GEMM backward to fp32 accuracy in torch
-(for bf16 operands as two bf16 GEMMs over a hi/lo split of d logits: `_mm_fp32`).
+through the renormalisation and the softmax in fp32, then the GEMM backward to fp32 accuracy in torch.
+For bf16 operands the kernel writes d logits as its bf16 hi/lo split [N, 2E] and the backward is two
+bf16 GEMMs with fp32 accumulation (`_split_gemms_bwd`): no fp32 d logits, no elementwise passes.
 """
 
 from __future__ import annotations
@@ -87,6 +88,38 @@ def _router_topk_fwd_kernel(
         tl.store(idx + p, b_i.to(tl.int64), mask=m)
 
 
+@triton.jit
+def _router_dz(logits, idx, dweight, o_r, m_r, o_e, E: tl.constexpr, TOPK: tl.constexpr, BE: tl.constexpr,
+               BR: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+    """d logits [BR, BE] fp32 of rows o_r from d weight [rows, TOPK] through the renormalisation and
+    the softmax (probabilities recomputed from logits).
+
+    With p the softmax, G_e = dweight of expert e (0 when unchosen), sel_e = 1 when chosen, S = sum of
+    the chosen p and A = sum_k dweight_k p_k: renormalised, dz = p / S * (G - sel * A / S) (the
+    weights do not change when p is scaled, so the softmax term vanishes); raw, dz = p * (G - A)."""
+    b_z, b_m, b_x, b_s = _router_probs(logits, o_r, m_r, o_e, E)
+    b_p = b_x / b_s[:, None]
+    b_g = tl.zeros([BR, BE], dtype=tl.float32)
+    b_sel = tl.zeros([BR, BE], dtype=tl.float32)
+    b_sum = tl.zeros([BR], dtype=tl.float32)
+    b_a = tl.zeros([BR], dtype=tl.float32)
+    for i_k in range(TOPK):
+        b_j = tl.load(idx + o_r * TOPK + i_k, mask=m_r, other=0).to(tl.int32)
+        b_dw = tl.load(dweight + o_r * TOPK + i_k, mask=m_r, other=0.0)
+        b_hit = o_e[None, :] == b_j[:, None]
+        b_pk = tl.sum(tl.where(b_hit, b_p, 0.0), 1)
+        b_sum += b_pk
+        b_a += b_dw * b_pk
+        b_g += tl.where(b_hit, b_dw[:, None], 0.0)
+        b_sel += tl.where(b_hit, 1.0, 0.0)
+    if RENORM:
+        b_sum = tl.where(m_r, b_sum, 1.0)
+        b_dz = b_p / b_sum[:, None] * (b_g - b_sel * (b_a / b_sum)[:, None])
+    else:
+        b_dz = b_p * (b_g - b_a[:, None])
+    return b_dz
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _router_topk_bwd_kernel(
     logits,
@@ -100,45 +133,38 @@ def _router_topk_bwd_kernel(
     BE: tl.constexpr,
     BR: tl.constexpr,
     RENORM: tl.constexpr,
+    HAS_DWEIGHT: tl.constexpr,
     HAS_DLOGITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One program per block of BR rows (1-D grid, looping): d logits [rows, E] fp32 from d weight
-    [rows, TOPK] through the renormalisation and the softmax (probabilities recomputed from logits),
-    plus dlogits_in [rows, E] when HAS_DLOGITS.
+    """One program per block of BR rows (1-D grid, looping): d logits dz [rows, E] in fp32 from d weight
+    [rows, TOPK] (when HAS_DWEIGHT; `_router_dz`) plus dlogits_in [rows, E] (when HAS_DLOGITS).
 
-    With p the softmax, G_e = dweight of expert e (0 when unchosen), sel_e = 1 when chosen, S = sum of
-    the chosen p and A = sum_k dweight_k p_k: renormalised, dz = p / S * (G - sel * A / S) (the
-    weights do not change when p is scaled, so the softmax term vanishes); raw, dz = p * (G - A)."""
+    Written as dlogits [rows, E] fp32, or with SPLIT as its bf16 split [rows, 2E]: hi = bf16(dz) in
+    columns [0, E), lo = bf16(dz - hi) (dz - hi is exact in fp32) in [E, 2E); hi + lo = dz to
+    ~2^-17 |dz| (rounding to nearest; the interpreter truncates: ~2^-14), the operand of the backward
+    GEMMs on bf16 tensor cores (one pass, no fp32 dz)."""
     i_p = tl.program_id(0)
     o_e = tl.arange(0, BE)
     for i_blk in range(i_p, tl.cdiv(n_rows, BR), tl.num_programs(0)):
         o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
         m_r = o_r < n_rows
-        b_z, b_m, b_x, b_s = _router_probs(logits, o_r, m_r, o_e, E)
-        b_p = b_x / b_s[:, None]
-        b_g = tl.zeros([BR, BE], dtype=tl.float32)
-        b_sel = tl.zeros([BR, BE], dtype=tl.float32)
-        b_sum = tl.zeros([BR], dtype=tl.float32)
-        b_a = tl.zeros([BR], dtype=tl.float32)
-        for i_k in range(TOPK):
-            b_j = tl.load(idx + o_r * TOPK + i_k, mask=m_r, other=0).to(tl.int32)
-            b_dw = tl.load(dweight + o_r * TOPK + i_k, mask=m_r, other=0.0)
-            b_hit = o_e[None, :] == b_j[:, None]
-            b_pk = tl.sum(tl.where(b_hit, b_p, 0.0), 1)
-            b_sum += b_pk
-            b_a += b_dw * b_pk
-            b_g += tl.where(b_hit, b_dw[:, None], 0.0)
-            b_sel += tl.where(b_hit, 1.0, 0.0)
-        if RENORM:
-            b_sum = tl.where(m_r, b_sum, 1.0)
-            b_dz = b_p / b_sum[:, None] * (b_g - b_sel * (b_a / b_sum)[:, None])
-        else:
-            b_dz = b_p * (b_g - b_a[:, None])
         p = o_r[:, None] * E + o_e[None, :]
         m = m_r[:, None] & (o_e < E)[None, :]
-        if HAS_DLOGITS:
-            b_dz += tl.load(dlogits_in + p, mask=m, other=0.0)
-        tl.store(dlogits + p, b_dz, mask=m)
+        if HAS_DWEIGHT:
+            b_dz = _router_dz(logits, idx, dweight, o_r, m_r, o_e, E, TOPK, BE, BR, RENORM)
+            if HAS_DLOGITS:
+                b_dz += tl.load(dlogits_in + p, mask=m, other=0.0)
+        else:
+            b_dz = tl.load(dlogits_in + p, mask=m, other=0.0)
+        if SPLIT:
+            b_hi = b_dz.to(tl.bfloat16)
+            b_lo = (b_dz - b_hi.to(tl.float32)).to(tl.bfloat16)
+            p_hi = dlogits + o_r[:, None] * (2 * E) + o_e[None, :]
+            tl.store(p_hi, b_hi, mask=m)
+            tl.store(p_hi + E, b_lo, mask=m)
+        else:
+            tl.store(dlogits + p, b_dz, mask=m)
 
 
 def _topk_meta(shape: dict) -> dict:
@@ -187,31 +213,42 @@ def router_topk_fwd(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[tor
 
 
 def router_topk_bwd(
-    logits: torch.Tensor, idx: torch.Tensor, dweight: torch.Tensor | None, dlogits: torch.Tensor | None, renorm: bool
+    logits: torch.Tensor,
+    idx: torch.Tensor,
+    dweight: torch.Tensor | None,
+    dlogits: torch.Tensor | None,
+    renorm: bool,
+    split: bool = False,
 ) -> torch.Tensor:
-    """logits [N, E] fp32, idx [N, TOPK], dweight [N, TOPK] (None: zero), dlogits [N, E] (None: zero)
-    -> d logits [N, E] fp32."""
+    """logits [N, E] fp32, idx [N, TOPK], dweight [N, TOPK] and dlogits [N, E] (None: zero; not both)
+    -> d logits [N, E] fp32, or with split its bf16 hi/lo split [N, 2E] (`_router_topk_bwd_kernel`)."""
     N, E = logits.shape
-    top_k = idx.shape[1]
-    if dweight is None:
-        return torch.zeros_like(logits) if dlogits is None else dlogits.float().contiguous()
-    out = torch.empty_like(logits)
+    if dweight is None and dlogits is None:
+        raise ValueError("router_topk_bwd needs dweight or dlogits")
+    if split:
+        out = torch.empty(N, 2 * E, dtype=torch.bfloat16, device=logits.device)
+    elif dweight is None:
+        return dlogits.float().contiguous()
+    else:
+        out = torch.empty_like(logits)
     if N > 0:
         launch(
             _router_topk_bwd_kernel,
             TOPK_BWD_CONFIGS,
-            ["E", "TOPK"],
+            ["E", "TOPK", "HAS_DWEIGHT", "HAS_DLOGITS", "SPLIT"],
             _topk_grid,
             logits=logits,
             idx=idx,
-            dweight=dweight.float().contiguous(),
-            dlogits_in=out if dlogits is None else dlogits.float().contiguous(),
+            dweight=logits if dweight is None else dweight.float().contiguous(),
+            dlogits_in=logits if dlogits is None else dlogits.float().contiguous(),
             dlogits=out,
             n_rows=N,
             E=E,
-            TOPK=top_k,
+            TOPK=idx.shape[1],
             RENORM=renorm,
+            HAS_DWEIGHT=dweight is not None,
             HAS_DLOGITS=dlogits is not None,
+            SPLIT=split,
             BE=next_pow2(E),
         )
     return out
@@ -244,10 +281,9 @@ def _gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tenso
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] fp32 @ b [K, N] to fp32 accuracy, -> fp32. For a bf16 b, a = hi + lo in bf16 (exact to
-    ~2^-17 |a|) and two bf16 GEMMs with fp32 output (the products of bf16 values are exact in fp32):
-    the accuracy of the fp32 GEMM at tensor-core speed and without an fp32 copy of b. Where no such mm
-    exists (CPU) the same two products run upcast."""
+    """a [M, K] fp32 @ b [K, N] to fp32 accuracy, -> fp32 (the backward GEMMs of operands that are not
+    both bf16). For a bf16 b, a = hi + lo in bf16 (exact to ~2^-17 |a|) and two bf16 GEMMs with fp32
+    output (the products of bf16 values are exact in fp32); otherwise the fp32 GEMM on upcast b."""
     if b.dtype != torch.bfloat16:
         return a @ b.float()
     hi = a.to(torch.bfloat16)
@@ -255,6 +291,27 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.is_cuda and _mm_takes_fp32_out(b.device, b.dtype):
         return torch.mm(hi, b, out_dtype=torch.float32) + torch.mm(lo, b, out_dtype=torch.float32)
     return hi.float() @ b.float() + lo.float() @ b.float()
+
+
+def _split_gemms_bwd(
+    hilo: torch.Tensor, hidden: torch.Tensor, gate_weight: torch.Tensor, need_hidden: bool, need_weight: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The GEMM backward of bf16 hidden [N, D] and gate_weight [E, D] from the split d logits hilo
+    [N, 2E] bf16 ([hi | lo], `router_topk_bwd(split=True)`), to fp32 accuracy on bf16 tensor cores:
+    d hidden = hi @ W + lo @ W = hilo @ [W; W], one GEMM over K = 2E with fp32 accumulation and one
+    rounding to bf16 (as every bf16 linear backward); d gate_weight = hi.T @ hidden + lo.T @ hidden,
+    one GEMM of M = 2E (hidden read once) with fp32 output, halves summed in fp32, then rounded.
+    Where the 16-bit mm with fp32 output is missing (CPU) the same products run upcast."""
+    E = gate_weight.shape[0]
+    fast = hilo.is_cuda and _mm_takes_fp32_out(hilo.device, hilo.dtype)
+    dhidden = dgate = None
+    if need_hidden:
+        w2 = torch.cat([gate_weight, gate_weight])
+        dhidden = torch.mm(hilo, w2) if fast else (hilo.float() @ w2.float()).to(hidden.dtype)
+    if need_weight:
+        g = torch.mm(hilo.t(), hidden, out_dtype=torch.float32) if fast else hilo.t().float() @ hidden.float()
+        dgate = (g[:E] + g[E:]).to(gate_weight.dtype)
+    return dhidden, dgate
 
 
 @dataclass(frozen=True)
@@ -275,14 +332,22 @@ class RouterFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden, gate_weight, logits, idx)
         ctx.opts = opts
         ctx.mark_non_differentiable(idx)
+        # an unused output (the logits without a load-balancing loss) arrives as None, not as zeros
+        ctx.set_materialize_grads(False)
         return logits, weight, idx
 
     @staticmethod
     def backward(ctx, dlogits, dweight, _didx):
         hidden, gate_weight, logits, idx = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (dlogits is None and dweight is None) or not (need_hidden or need_weight):
+            return None, None, None
+        if hidden.dtype == gate_weight.dtype == torch.bfloat16:
+            hilo = router_topk_bwd(logits, idx, dweight, dlogits, ctx.opts.renorm, split=True)
+            return (*_split_gemms_bwd(hilo, hidden, gate_weight, need_hidden, need_weight), None)
         dz = router_topk_bwd(logits, idx, dweight, dlogits, ctx.opts.renorm)
-        dhidden = _mm_fp32(dz, gate_weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        dgate = _mm_fp32(dz.t(), hidden).to(gate_weight.dtype) if ctx.needs_input_grad[1] else None
+        dhidden = _mm_fp32(dz, gate_weight).to(hidden.dtype) if need_hidden else None
+        dgate = _mm_fp32(dz.t(), hidden).to(gate_weight.dtype) if need_weight else None
         return dhidden, dgate, None
 
 
