@@ -11,9 +11,13 @@ one bf16 ulp and this path is the closer one to fp64.
 q and k may be strided views (e.g. a split of q_proj's output): any batch/token/head strides with a
 contiguous last dim are read in place; outputs are new contiguous tensors; nothing saved but cos/sin.
 
-Ascend rules: 1-D grid <= 65535 looping over row blocks, power-of-two tiles (K in chunks of <= 128,
-the rotary halves as one tile of next_pow2(rotary_dim / 2) <= 128), no atomics, no transposes,
-guards on constexprs only.
+One program per block of BT tokens: their cos/sin rows are loaded once and applied to every q and k
+head ([BT, heads, features] tiles, HEAD_GROUP heads at a time), and all of a head group's loads (both
+rotary halves, the copied features) are issued before its stores: one DRAM round trip per group.
+
+Ascend rules: 1-D grid <= 65535 looping over token blocks, power-of-two tiles (K in chunks of <= 128,
+the rotary halves as one tile of next_pow2(rotary_dim / 2) <= 128, heads padded to a power of two),
+no atomics, no transposes, guards on constexprs only.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ import triton.language as tl
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
 from .reference import check_rope_inputs
 
-# Rows (token, head) per block. Memory-bound: a [BR, 128] tile of 16-bit values per step; the first
-# config is the small safe one the interpreter and deterministic mode run.
+# Tokens per block: a program rotates every q and k head of BT tokens with their cos/sin rows loaded
+# once, HEAD_GROUP heads at a time; all of a group's loads are issued before its stores (one DRAM
+# round trip per group, BT * HEAD_GROUP * K * 2 bytes in flight: 16 KiB for bf16, BT = 4, K = 256).
+# The first config is the small safe one the interpreter and deterministic mode run.
 ROPE_CONFIGS = [
-    {"BR": 16, "num_warps": 4},
-    {"BR": 32, "num_warps": 4},
-    {"BR": 64, "num_warps": 8},
-    {"BR": 128, "num_warps": 8},
+    {"BT": 2, "num_warps": 4},
+    {"BT": 4, "num_warps": 4},
+    {"BT": 4, "num_warps": 8},
+    {"BT": 8, "num_warps": 8},
 ]
-MAX_K = 256  # head dims up to 256: the rotary half tile stays <= 128
+HEAD_GROUP = 8
+MAX_K = 256  # head dims up to 256: the rotary half tile and the two feature chunks stay <= 128
 # Documented largest shapes for the static rule check: 1M tokens, 64 q heads, 16 kv heads, K = 256,
 # full (256) and Qwen3.5's partial (64) rotary.
 MAX_SHAPES = (
@@ -44,60 +51,66 @@ _COMPUTE = {torch.float64: tl.float64}
 
 
 @triton.jit
-def _rope_block(
+def _rope_heads(
     x,
     y,
-    cos,
-    sin,
-    i_blk,
-    n_rows,
-    T,
-    s_xb,
-    s_xt,
+    o_t,
+    m_t,
+    p_xt,
+    o_g,
+    b_c1,
+    b_c2,
+    b_s1,
+    b_s2,
     s_xh,
-    s_cb,
-    s_ct,
     H: tl.constexpr,
     K: tl.constexpr,
     R: tl.constexpr,
-    BR: tl.constexpr,
+    BG: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
     CT: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """Rows i_blk * BR ... of x [B, T, H, K] (strided, last dim contiguous) -> y [B*T*H, K] contiguous."""
-    o_r = (i_blk * BR + tl.arange(0, BR)).to(tl.int64)
-    m_r = o_r < n_rows
-    i_bt = o_r // H
-    p_x = x + (i_bt // T) * s_xb + (i_bt % T) * s_xt + (o_r % H) * s_xh
-    p_c = (i_bt // T) * s_cb + (i_bt % T) * s_ct
-    p_y = y + o_r * K
-    o_h = tl.arange(0, BH)
-    m_h = m_r[:, None] & (o_h < R // 2)[None, :]
-    b_x1 = tl.load(p_x[:, None] + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    b_x2 = tl.load(p_x[:, None] + R // 2 + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    b_c1 = tl.load(cos + p_c[:, None] + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    b_c2 = tl.load(cos + p_c[:, None] + R // 2 + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    b_s1 = tl.load(sin + p_c[:, None] + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    b_s2 = tl.load(sin + p_c[:, None] + R // 2 + o_h[None, :], mask=m_h, other=0.0).to(CT)
-    if BACKWARD:
-        b_y1 = b_x1 * b_c1 + b_x2 * b_s2
-        b_y2 = b_x2 * b_c2 - b_x1 * b_s1
-    else:
-        b_y1 = b_x1 * b_c1 - b_x2 * b_s1
-        b_y2 = b_x2 * b_c2 + b_x1 * b_s2
-    tl.store(p_y[:, None] + o_h[None, :], b_y1.to(y.dtype.element_ty), mask=m_h)
-    tl.store(p_y[:, None] + R // 2 + o_h[None, :], b_y2.to(y.dtype.element_ty), mask=m_h)
-    # Features past rotary_dim pass unchanged (a bitwise copy; no chunk is loaded when R == K).
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m = m_r[:, None] & ((o_k >= R) & (o_k < K))[None, :]
-        b_p = tl.load(p_x[:, None] + o_k[None, :], mask=m, other=0.0)
-        tl.store(p_y[:, None] + o_k[None, :], b_p.to(y.dtype.element_ty), mask=m)
+    """The H heads of tokens o_t [BT] (mask m_t) of x (element offsets p_xt [BT] of each token's head 0,
+    head stride s_xh, last dim contiguous) -> y [tokens, H, K] contiguous, BG heads at a time as
+    [BT, BG, features] tiles (o_g = arange(BG)); b_c1 .. b_s2: [BT, BH] halves of the tokens' cos/sin
+    rows, shared by every head."""
+    o_d = tl.arange(0, BH)
+    o_k = tl.arange(0, BK)
+    b_c1, b_c2, b_s1, b_s2 = b_c1[:, None, :], b_c2[:, None, :], b_s1[:, None, :], b_s2[:, None, :]
+    for i_h in range(0, H, BG):
+        m_th = m_t[:, None] & (i_h + o_g < H)[None, :]
+        p_x = x + (p_xt[:, None] + (i_h + o_g)[None, :] * s_xh)[:, :, None]
+        p_y = y + (o_t[:, None] * (H * K) + (i_h + o_g)[None, :] * K)[:, :, None]
+        m_d = m_th[:, :, None] & (o_d < R // 2)[None, None, :]
+        b_x1 = tl.load(p_x + o_d[None, None, :], mask=m_d, other=0.0)
+        b_x2 = tl.load(p_x + R // 2 + o_d[None, None, :], mask=m_d, other=0.0)
+        # Features past rotary_dim pass unchanged (a bitwise copy), in at most two BK chunks
+        # (K <= 2 BK), loaded before the group's first store.
+        m_a = m_th[:, :, None] & ((o_k >= R) & (o_k < K))[None, None, :]
+        m_b = m_th[:, :, None] & ((o_k + BK >= R) & (o_k + BK < K))[None, None, :]
+        if R < K:
+            b_a = tl.load(p_x + o_k[None, None, :], mask=m_a, other=0.0)
+            if K > BK:
+                b_b = tl.load(p_x + BK + o_k[None, None, :], mask=m_b, other=0.0)
+        b_x1 = b_x1.to(CT)
+        b_x2 = b_x2.to(CT)
+        if BACKWARD:
+            b_y1 = b_x1 * b_c1 + b_x2 * b_s2
+            b_y2 = b_x2 * b_c2 - b_x1 * b_s1
+        else:
+            b_y1 = b_x1 * b_c1 - b_x2 * b_s1
+            b_y2 = b_x2 * b_c2 + b_x1 * b_s2
+        tl.store(p_y + o_d[None, None, :], b_y1.to(y.dtype.element_ty), mask=m_d)
+        tl.store(p_y + R // 2 + o_d[None, None, :], b_y2.to(y.dtype.element_ty), mask=m_d)
+        if R < K:
+            tl.store(p_y + o_k[None, None, :], b_a.to(y.dtype.element_ty), mask=m_a)
+            if K > BK:
+                tl.store(p_y + BK + o_k[None, None, :], b_b.to(y.dtype.element_ty), mask=m_b)
 
 
-@triton.jit(do_not_specialize=["n_rows_q", "n_rows_k", "T"])
+@triton.jit(do_not_specialize=["n_tokens", "T"])
 def _rope_kernel(
     q,
     k,
@@ -105,8 +118,7 @@ def _rope_kernel(
     yk,
     cos,
     sin,
-    n_rows_q,
-    n_rows_k,
+    n_tokens,
     T,
     s_qb,
     s_qt,
@@ -120,35 +132,52 @@ def _rope_kernel(
     HKV: tl.constexpr,
     K: tl.constexpr,
     R: tl.constexpr,
-    BR: tl.constexpr,
+    BT: tl.constexpr,
+    BGQ: tl.constexpr,
+    BGK: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
     CT: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
     """Rotate (BACKWARD: rotate back) q [B, T, H, K] and k [B, T, HKV, K] -> yq, yk, contiguous.
-    1-D grid; each program loops over the BR-row blocks of q, then over those of k."""
+    1-D grid; each program loops over blocks of BT of the B * T tokens: the block's cos/sin rows are
+    loaded once, then its q heads (BGQ at a time) and its k heads (BGK at a time) are rotated."""
     i_p = tl.program_id(0)
-    for i_blk in range(i_p, tl.cdiv(n_rows_q, BR), tl.num_programs(0)):
-        _rope_block(
-            q, yq, cos, sin, i_blk, n_rows_q, T, s_qb, s_qt, s_qh, s_cb, s_ct, H, K, R, BR, BH, BK, CT, BACKWARD
-        )
-    for i_blk in range(i_p, tl.cdiv(n_rows_k, BR), tl.num_programs(0)):
-        _rope_block(
-            k, yk, cos, sin, i_blk, n_rows_k, T, s_kb, s_kt, s_kh, s_cb, s_ct, HKV, K, R, BR, BH, BK, CT, BACKWARD
-        )
+    o_d = tl.arange(0, BH)
+    o_gq = tl.arange(0, BGQ)
+    o_gk = tl.arange(0, BGK)
+    for i_blk in range(i_p, tl.cdiv(n_tokens, BT), tl.num_programs(0)):
+        o_t = (i_blk * BT + tl.arange(0, BT)).to(tl.int64)
+        m_t = o_t < n_tokens
+        i_b, i_t = o_t // T, o_t % T
+        p_c = cos + (i_b * s_cb + i_t * s_ct)[:, None] + o_d[None, :]
+        p_s = sin + (i_b * s_cb + i_t * s_ct)[:, None] + o_d[None, :]
+        m_c = m_t[:, None] & (o_d < R // 2)[None, :]
+        b_c1 = tl.load(p_c, mask=m_c, other=0.0).to(CT)
+        b_c2 = tl.load(p_c + R // 2, mask=m_c, other=0.0).to(CT)
+        b_s1 = tl.load(p_s, mask=m_c, other=0.0).to(CT)
+        b_s2 = tl.load(p_s + R // 2, mask=m_c, other=0.0).to(CT)
+        p_qt, p_kt = i_b * s_qb + i_t * s_qt, i_b * s_kb + i_t * s_kt
+        _rope_heads(q, yq, o_t, m_t, p_qt, o_gq, b_c1, b_c2, b_s1, b_s2, s_qh, H, K, R, BGQ, BH, BK, CT, BACKWARD)
+        _rope_heads(k, yk, o_t, m_t, p_kt, o_gk, b_c1, b_c2, b_s1, b_s2, s_kh, HKV, K, R, BGK, BH, BK, CT, BACKWARD)
 
 
 def _rope_meta(shape: dict) -> dict:
-    return {"BH": next_pow2(shape["R"] // 2), "BK": min(128, next_pow2(shape["K"]))}
+    return {
+        "BGQ": min(HEAD_GROUP, next_pow2(shape["H"], lo=1)),
+        "BGK": min(HEAD_GROUP, next_pow2(shape["HKV"], lo=1)),
+        "BH": next_pow2(shape["R"] // 2),
+        "BK": min(128, next_pow2(shape["K"])),
+    }
 
 
 def _rope_grid(meta: dict) -> tuple[int]:
-    return grid_1d(cdiv(max(meta["n_rows_q"], meta["n_rows_k"]), meta["BR"]))
+    return grid_1d(cdiv(meta["n_tokens"], meta["BT"]))
 
 
-def _rope_rows(shape: dict) -> dict:
-    return {"n_rows_q": shape["T"] * shape["H"], "n_rows_k": shape["T"] * shape["HKV"]}
+def _rope_tokens(shape: dict) -> dict:
+    return {"n_tokens": shape["T"]}
 
 
 KERNEL_LAUNCHES = {
@@ -156,7 +185,7 @@ KERNEL_LAUNCHES = {
         "configs": ROPE_CONFIGS,
         "meta": _rope_meta,
         "grid": _rope_grid,
-        "runtime": _rope_rows,
+        "runtime": _rope_tokens,
         "max_shapes": MAX_SHAPES,
     },
 }
@@ -189,8 +218,7 @@ def rope_rotate(
         yk=yk,
         cos=cos,
         sin=sin,
-        n_rows_q=B * T * H,
-        n_rows_k=B * T * k.shape[2],
+        n_tokens=B * T,
         T=T,
         s_qb=q.stride(0),
         s_qt=q.stride(1),
@@ -206,7 +234,7 @@ def rope_rotate(
         R=R,
         CT=_COMPUTE.get(q.dtype, tl.float32),
         BACKWARD=backward,
-        **_rope_meta({"K": K, "R": R}),
+        **_rope_meta({"H": H, "HKV": k.shape[2], "K": K, "R": R}),
     )
     return yq, yk
 

@@ -158,6 +158,12 @@ def test_triton_matches_fp64(nan_poison, dtype, K, R):
     check_triton_vs_fp64(*triton_case(2, 5, 3, 1, K, R, dtype), dtype)
 
 
+def test_triton_head_groups(nan_poison):
+    """More q heads than one head group (8) and head counts that are not powers of two: 11 q heads in
+    two groups (the second masked past 11), 3 kv heads in one; head-major k strides."""
+    check_triton_vs_fp64(*triton_case(1, 3, 11, 3, 24, 8, torch.float32), torch.float32)
+
+
 def test_triton_strided_equals_contiguous_and_is_deterministic():
     q, k, cos, sin = triton_case(1, 6, 2, 2, 24, 8, torch.float32)
     q_before, k_before = q.clone(), k.clone()
