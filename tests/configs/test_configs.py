@@ -94,7 +94,7 @@ def test_recipe_builds_engine_configs(recipe):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"], "larger than the mini-batch"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"], "larger than the mini-batch"),
         (["actor_rollout_ref.actor.strategy=fsdp_turbo"], "unknown strategy 'fsdp_turbo'"),
         (["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=3"], "must divide the number of ranks"),
     ],

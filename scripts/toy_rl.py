@@ -1,0 +1,227 @@
+"""Toy inputs for verl's `main_ppo` on CPU: a byte-level tokenizer, a tiny Qwen3.5-MoE, parquet files
+and the rule rewards, all made from nothing (no download).
+
+    python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S]
+    python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [HYDRA_OVERRIDE ...]
+
+`data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template) and
+OUT/data/{train,val}.parquet in verl's RLHF format (`prompt` as chat messages, `data_source`,
+`reward_model.ground_truth`); `train` runs verl's main_ppo on them with VERL_PLATFORM=cpu, the
+metrics in OUT/<recipe>.jsonl (verl's file logger). Tasks:
+
+- `arith` (default): "a+b=" questions, ground truth the sum; reward 1 for a response that starts
+  with the sum, else the share of its characters that are ASCII digits (partial credit for
+  answering with a number). `compute_score` below, passed to verl as
+  `reward.custom_reward_function`. A random byte-level model emits digits about 10 times in 260;
+  GRPO raises that share within a few steps, so the mean reward rises.
+- `gsm8k`: the same questions under verl's built-in rule (data source `openai/gsm8k`: 1 when the
+  response holds "#### <sum>"). A random model never scores: this task checks the plumbing only.
+
+Top-level imports are stdlib only: verl's reward workers import this file for `compute_score`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+
+# 256 byte tokens (GPT-2's byte-to-unicode alphabet) followed by these, in this order.
+PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+# One turn per message, then the generation marker: "<|im_start|>3+4=<|im_end|><|im_start|>".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+)
+ARITH_SOURCE = "toy/arith"
+
+
+def write_tokenizer(path: str) -> None:
+    """A byte-level tokenizer without merges (one token per byte) plus PAD/BOS/EOS, saved as a
+    transformers fast tokenizer with the chat template above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)})
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
+def _byte_of(ch: str) -> int:
+    """The byte GPT-2's byte-level alphabet maps to this character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code = ord(ch)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def tiny_config():
+    """2 GatedDeltaNet layers + 1 attention layer, 4 experts top-2, untied lm_head, byte vocabulary."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=256, bos_token_id=257, eos_token_id=258,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+
+
+def write_model(path: str, seed: int = 0) -> None:
+    """A randomly initialised tiny Qwen3.5-MoE in fp32 with the tokenizer beside it."""
+    import torch
+    import verl_moe.models as vm
+
+    torch.manual_seed(seed)
+    vm.save_pretrained(vm.build(tiny_config()), path)
+    write_tokenizer(path)
+
+
+def _sum_rows(n: int, seed: int, data_source: str) -> list[dict]:
+    """gsm8k-shaped rows: the question "a+b=" as a chat message, the sum as ground truth."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append(
+            {
+                "data_source": data_source,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"index": i, "split": "toy"},
+            }
+        )
+    return rows
+
+
+def arith_rows(n: int, seed: int) -> list[dict]:
+    return _sum_rows(n, seed, ARITH_SOURCE)
+
+
+def gsm8k_rows(n: int, seed: int) -> list[dict]:
+    return _sum_rows(n, seed, "openai/gsm8k")
+
+
+TASKS = {"arith": arith_rows, "gsm8k": gsm8k_rows}
+
+
+def write_parquet(path: str, task: str, n: int, seed: int) -> None:
+    import pandas as pd
+
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}: expected one of {sorted(TASKS)}")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    pd.DataFrame(TASKS[task](n, seed)).to_parquet(path)
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """verl's custom reward signature. `toy/arith`: 1 when the response starts with the ground truth
+    (and no further digit follows), else the share of its characters that are ASCII digits (0 for
+    an empty response). Other data sources go to verl's built-in rules."""
+    if data_source != ARITH_SOURCE:
+        from verl.utils.reward_score import default_compute_score
+
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+    text = solution_str.strip()
+    if text.startswith(ground_truth) and not text[len(ground_truth) : len(ground_truth) + 1].isdigit():
+        return 1.0
+    return sum(ch.isascii() and ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
+
+
+def make(out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0) -> dict[str, str]:
+    """Write model + tokenizer and the two parquet files under `out`; returns their paths."""
+    paths = {
+        "model": os.path.join(out, "model"),
+        "train": os.path.join(out, "data", "train.parquet"),
+        "val": os.path.join(out, "data", "val.parquet"),
+    }
+    write_model(paths["model"], seed)
+    write_parquet(paths["train"], task, train, seed)
+    write_parquet(paths["val"], task, val, seed + 1)
+    return paths
+
+
+def main_ppo_command(recipe: str, paths: dict[str, str], steps: int, overrides: list[str] = ()) -> list[str]:
+    """argv of `python -m verl.trainer.main_ppo` with a recipe of verl_moe.configs on the files of
+    `make`, this file's `compute_score` as the reward, `steps` training steps; `overrides` last."""
+    import verl_moe.configs
+
+    return [
+        sys.executable, "-m", "verl.trainer.main_ppo",
+        "--config-path", os.path.dirname(os.path.abspath(verl_moe.configs.__file__)),
+        "--config-name", f"recipe/{recipe}",
+        f"actor_rollout_ref.model.path={paths['model']}",
+        f"data.train_files={paths['train']}",
+        f"data.val_files={paths['val']}",
+        f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.total_training_steps={steps}",
+        *overrides,
+    ]  # fmt: skip
+
+
+def main_ppo_env(metrics_file: str) -> dict[str, str]:
+    """The environment of a CPU run: verl's cpu platform, the JSONL metrics file (`verl-moe curves`
+    reads it), Ray's token authentication off (a local, single-user cluster)."""
+    return dict(
+        os.environ,
+        VERL_PLATFORM="cpu",
+        VERL_FILE_LOGGER_PATH=os.path.abspath(metrics_file),
+        RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    data = sub.add_parser("data", help="write OUT/model and OUT/data/{train,val}.parquet")
+    data.add_argument("out")
+    data.add_argument("--task", default="arith", choices=sorted(TASKS))
+    data.add_argument("--train", type=int, default=64)
+    data.add_argument("--val", type=int, default=8)
+    data.add_argument("--seed", type=int, default=0)
+    train = sub.add_parser("train", help="run main_ppo on OUT's files; metrics in OUT/<recipe>.jsonl")
+    train.add_argument("out")
+    train.add_argument("--recipe", default="tiny_cpu")
+    train.add_argument("--steps", type=int, default=20)
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and (args.command != "train" or any("=" not in o for o in overrides)):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)} (train takes Hydra overrides key=value)")
+    if args.command == "data":
+        print(json.dumps(make(args.out, args.task, args.train, args.val, args.seed), indent=1))
+        return
+    paths = {
+        "model": os.path.join(args.out, "model"),
+        "train": os.path.join(args.out, "data", "train.parquet"),
+        "val": os.path.join(args.out, "data", "val.parquet"),
+    }
+    for path in paths.values():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: run `python scripts/toy_rl.py data {args.out}` first")
+    command = main_ppo_command(args.recipe, paths, args.steps, overrides)
+    metrics = os.path.join(args.out, f"{args.recipe}.jsonl")
+    print(" ".join(command), flush=True)
+    sys.exit(subprocess.call(command, env=main_ppo_env(metrics), cwd=args.out))
+
+
+if __name__ == "__main__":
+    main()
