@@ -6,15 +6,21 @@ W shifted loads of the tile (the W - 1 halo rows come from cache, so DRAM reads 
 once). A token's sequence start is found in the kernel by a binary search of `cu_seqlens` (no
 per-token table, no host copy); plain [B, T] input uses row // T.
 
-Backward saves x only (in its dtype): the pre-activation is recomputed. x[t] feeds the outputs
-u = t + k (k < W) through tap W - 1 - k, so dx[t] = sum_k weight[c, W-1-k] * dpre[u] over the u of
-t's own sequence, with dpre[u] = dy[u] * silu'(pre[u]) and pre[u] recomputed in the program from
-x masked at t's sequence start (outputs past t's sequence end are dropped, so their taps never
-matter). The 2W - 1 shifted x tiles this reads come from cache (the compiler merges the loads of a
-shift that several taps share); every dpre value stays in the program that uses it, so nothing is
-written twice and there are no atomics. dweight / dbias: each program owns a group of rows x BC
-channels and sums its rows in fp32 into its own slot of [n_groups, C, W] / [n_groups, C], reduced
-once by torch: bitwise reproducible for a fixed config.
+Backward saves x only (in its dtype): the pre-activation is recomputed, once per token. x[t] feeds
+the outputs u = t + k (k < W) through tap W - 1 - k, so with dz[u] = dy[u] * silu'(pre[u]):
+dx[t] = sum_k weight[c, W-1-k] * dz[t + k] over the t + k of t's own sequence, and
+dweight[c, j] = sum_u dz[u] * x[u - W + 1 + j] (x zero before u's sequence start). Three launches:
+1. a per-row table of sequence starts and ends (packed input only; one binary search per row);
+2. dz: one program per (group of rows, channel block) walks its rows in tiles, writes dz [T, C] in
+   x's dtype and sums its rows' dweight (and dbias) in fp32 into its own slot of [n_groups, C, W];
+3. dx: the W taps applied to W shifted dz tiles (the halo rows from cache).
+dz costs one more write and read of [T, C] than a fused kernel, which would recompute W
+pre-activations and sigmoids per token and be instruction-bound. Tiles are [BT <= 8, BC = 8 x 32 x
+warps], so (bf16) each thread holds whole columns of 8 channels: 16-byte loads, and row sums in
+registers (tiles with rows spread over warps sum through shared memory and barriers every tile).
+Each program loads the next tile's new rows one tile ahead, so their DRAM latency overlaps the
+current tile. No atomics: the partials are reduced once by torch, bitwise reproducible for a fixed
+config.
 """
 
 from __future__ import annotations
@@ -30,9 +36,7 @@ from .reference import check_conv1d_inputs
 
 # First configs: what the interpreter, fp32 inputs and deterministic mode run. Registers per thread
 # from a static sm_90 build at C = 8192, W = 4 (this machine's Triton; the device's may differ), bf16,
-# none spilling: forward 56-85, backward 96-124 (140-166 for 8 x 128 at 4 warps). The backward keeps
-# the 2W - 1 shifted x tiles of a tile live, hence its small tiles (4-8 elements per thread).
-# The first configs also build without spills for fp32 inputs (forward 102, backward 100).
+# none spilling: forward 56-85; its first config also builds without spills for fp32 (102).
 FWD_CONFIGS = [
     {"BT": 32, "BC": 128, "num_warps": 8, "num_stages": 1},
     {"BT": 16, "BC": 128, "num_warps": 4, "num_stages": 1},
@@ -41,19 +45,39 @@ FWD_CONFIGS = [
     {"BT": 32, "BC": 64, "num_warps": 4, "num_stages": 1},
     {"BT": 64, "BC": 128, "num_warps": 16, "num_stages": 1},
 ]
-BWD_CONFIGS = [
-    {"BT": 16, "BC": 64, "num_warps": 8, "num_stages": 1},
-    {"BT": 8, "BC": 64, "num_warps": 4, "num_stages": 1},
-    {"BT": 32, "BC": 64, "num_warps": 16, "num_stages": 1},
-    {"BT": 16, "BC": 128, "num_warps": 16, "num_stages": 1},
-    {"BT": 8, "BC": 128, "num_warps": 4, "num_stages": 1},
+# Backward kernels: tiles short in rows and wide in channels, BC = 8 x 32 x num_warps, so that (bf16)
+# each thread holds all BT rows of 8 channels: 16-byte loads, and the row sums of dweight stay in
+# registers (no shared memory, no barrier in the row loop). Static sm_90 builds at C = 8192, W = 4
+# (this machine's Triton 3.6), registers per thread bf16 / fp32, none spilling:
+# dz 128/168, 128/168, 157/174, 84/120, 86/134; dx 100/105, 151/188, 106/102, 151/188, 100/105, 64/64.
+# (BT = 4 dz tiles take 237 registers in bf16 and spill in fp32.)
+BWD_DZ_CONFIGS = [
+    {"BT": 2, "BC": 1024, "num_warps": 4, "num_stages": 1},
+    {"BT": 2, "BC": 512, "num_warps": 2, "num_stages": 1},
+    {"BT": 2, "BC": 2048, "num_warps": 8, "num_stages": 1},
+    {"BT": 1, "BC": 1024, "num_warps": 4, "num_stages": 1},
+    {"BT": 1, "BC": 2048, "num_warps": 8, "num_stages": 1},
 ]
-# Rows per backward program group: a multiple of every backward BT, so groups never split a tile.
+BWD_DX_CONFIGS = [
+    {"BT": 4, "BC": 1024, "num_warps": 4, "num_stages": 1},
+    {"BT": 8, "BC": 1024, "num_warps": 4, "num_stages": 1},
+    {"BT": 4, "BC": 2048, "num_warps": 8, "num_stages": 1},
+    {"BT": 8, "BC": 512, "num_warps": 2, "num_stages": 1},
+    {"BT": 4, "BC": 512, "num_warps": 2, "num_stages": 1},
+    {"BT": 2, "BC": 1024, "num_warps": 4, "num_stages": 1},
+]
+BOUNDS_CONFIGS = [{"BLOCK": 1024, "num_warps": 4, "num_stages": 1}]
+# Rows per dz-kernel group: a multiple of every BT there, so groups never split a tile.
 MIN_GROUP_ROWS = 64
-assert all(MIN_GROUP_ROWS % c["BT"] == 0 for c in BWD_CONFIGS)
-# Row groups aimed at per channel block: enough programs to fill a GPU at C = 8192 while keeping
-# the fp32 dweight partials ([n_groups, C, W]) a few MiB.
-TARGET_GROUPS = 32
+assert all(MIN_GROUP_ROWS % c["BT"] == 0 for c in BWD_DZ_CONFIGS + BWD_DX_CONFIGS)
+# Rows per dx-kernel program (no partials there, so short: ~1000 programs at 8192 x 8192).
+DX_GROUP_ROWS = MIN_GROUP_ROWS
+# Programs aimed at for the dz kernel (rows walked serially per program): ~4 per SM of a 132-SM
+# H200 at the nominal 1024-channel tile (the first config's 128 registers let 4 share an SM), while
+# the fp32 dweight partials [n_groups, C, W] stay small: 8 MiB, ~4% of the kernel's traffic, at
+# 8192 x 8192 (64 groups of 128 rows).
+TARGET_DZ_PROGRAMS = 512
+NOMINAL_BC = 1024
 
 # Documented largest shapes, for the static rule check: 1M packed tokens, 64K sequences, C = 16384.
 MAX_SHAPES = ({"T": 1 << 20, "N": 1 << 16, "C": 16384, "W": 4},)
@@ -141,52 +165,43 @@ def _conv1d_fwd_kernel(
         tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
+@triton.jit(do_not_specialize=["n_rows", "n_seqs", "n_search"])
+def _conv1d_bounds_kernel(cu_seqlens, starts, ends, n_rows, n_seqs, n_search, BLOCK: tl.constexpr):
+    """One program per BLOCK rows (1-D grid, looping): starts / ends [n_rows] int32, the first row of
+    each row's sequence and one past its last, for the backward kernels to read per row (a search
+    there would run per row tile and per channel block)."""
+    i_p = tl.program_id(0)
+    for i_b in range(i_p, tl.cdiv(n_rows, BLOCK), tl.num_programs(0)):
+        o_t = i_b * BLOCK + tl.arange(0, BLOCK)
+        b_st, b_en = _conv1d_seq_bounds(cu_seqlens, o_t, n_rows, 1, n_seqs, n_search, True)
+        tl.store(starts + o_t, b_st, mask=o_t < n_rows)
+        tl.store(ends + o_t, b_en, mask=o_t < n_rows)
+
+
 @triton.jit
-def _conv1d_dpre(
-    x,
-    weight,
-    dy,
-    b_bias,
-    o_t,
-    k,
-    b_st,
-    b_en,
-    n_rows,
-    o_c,
-    m_c,
-    C: tl.constexpr,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    """dL/dpre of the outputs at rows o_t + k in fp32, zero past the end b_en of row o_t's sequence:
-    dy, times silu'(pre) with pre recomputed when SILU."""
-    o_u = o_t + k
-    m = (o_u < b_en)[:, None] & m_c[None, :]
-    b_dp = tl.load(dy + o_u.to(tl.int64)[:, None] * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
-    if SILU:
-        b_pre = tl.zeros([BT, BC], dtype=tl.float32) + b_bias[None, :]
-        b_pre = _conv1d_pre(x, weight, b_pre, o_t, k, b_st, n_rows, o_c, m_c, C, W)
-        b_sg = tl.sigmoid(b_pre)
-        b_dp = b_dp * b_sg * (1.0 + b_pre * (1.0 - b_sg))
-    return b_dp
+def _conv1d_tile_rows(table, t0, n_rows, other, BT: tl.constexpr):
+    """table[t0 .. t0 + BT - 1] as a [BT] int32 vector (`other` past n_rows) from BT scalar loads:
+    the values are the same in every thread, so they land in the tile's row layout directly (a [BT]
+    vector load would get a layout of its own and be shuffled through shared memory, with a barrier)."""
+    o_r = tl.arange(0, BT)
+    b = tl.zeros([BT], dtype=tl.int32)
+    for r in tl.static_range(BT):
+        b = tl.where(o_r == r, tl.load(table + t0 + r, mask=t0 + r < n_rows, other=other), b)
+    return b
 
 
-@triton.jit(do_not_specialize=["n_rows", "T", "n_seqs", "n_search", "group_rows"])
-def _conv1d_bwd_kernel(
+@triton.jit(do_not_specialize=["n_rows", "T", "group_rows"])
+def _conv1d_bwd_dz_kernel(
     x,
-    weight,
+    weight_t,
     bias,
-    cu_seqlens,
+    starts,
     dy,
-    dx,
+    dz,
     dw_part,
     db_part,
     n_rows,
     T,
-    n_seqs,
-    n_search,
     group_rows,
     C: tl.constexpr,
     W: tl.constexpr,
@@ -198,12 +213,15 @@ def _conv1d_bwd_kernel(
     IS_VARLEN: tl.constexpr,
 ):
     """One program per (group of group_rows rows, BC channels) (1-D grid, looping), walking its rows
-    in tiles of BT: dx [n_rows, C] in dx's dtype, and the group's fp32 sums dw_part[g] [C, W] and
-    db_part[g] [C] over its rows. x[t] feeds the outputs u = t + k (k < W) of its own sequence through
-    tap W - 1 - k; those outputs' pre-activations are recomputed from x, all within t's sequence."""
+    in tiles of BT: dz = dy * silu'(pre) [n_rows, C] in dz's dtype (SILU; else dz is dy and not
+    written), and the group's fp32 sums dw_part[g] [C, W] (over rows t of dz[t] * x[t - W + 1 + j],
+    x zero before t's sequence start) and db_part[g] [C] (of dz; HAS_BIAS only).
+    A tile's own dy and x rows (the only ones not yet in cache) are loaded one tile ahead, so their
+    DRAM latency overlaps the previous tile's work; the W - 1 shifted x tiles are re-read from cache."""
     i_p = tl.program_id(0)
     n_cb = tl.cdiv(C, BC)
     o_w = tl.arange(0, BW)
+    o_r = tl.arange(0, BT)
     for i_tile in range(i_p, tl.cdiv(n_rows, group_rows) * n_cb, tl.num_programs(0)):
         i_g, i_c = i_tile // n_cb, i_tile % n_cb
         o_c = i_c * BC + tl.arange(0, BC)
@@ -211,45 +229,130 @@ def _conv1d_bwd_kernel(
         b_bias = tl.zeros([BC], dtype=tl.float32)
         if HAS_BIAS:
             b_bias = tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
-        b_dw = tl.zeros([BC, BW], dtype=tl.float32)
+        b_dw = tl.zeros([BW, BC], dtype=tl.float32)
         b_db = tl.zeros([BC], dtype=tl.float32)
-        for i_r in range(i_g * group_rows, i_g * group_rows + group_rows, BT):
-            o_t = i_r + tl.arange(0, BT)
-            m_t = o_t < n_rows
-            b_st, b_en = _conv1d_seq_bounds(cu_seqlens, o_t, n_rows, T, n_seqs, n_search, IS_VARLEN)
-            # k = 0 (u = t): the tile's own outputs, which also give dweight and dbias.
-            b_dp = _conv1d_dpre(x, weight, dy, b_bias, o_t, 0, b_st, b_en, n_rows, o_c, m_c, C, W, BT, BC, SILU)
-            b_db += tl.sum(b_dp, 0)
-            for j in tl.static_range(W):
-                b_x = _conv1d_rows(x, o_t, j - (W - 1), b_st, n_rows, o_c, m_c, C)
-                b_dw += tl.where(o_w[None, :] == j, tl.sum(b_dp * b_x, 0)[:, None], 0.0)
-            b_w = tl.load(weight + o_c * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
-            b_dx = b_dp * b_w[None, :]
-            for k in tl.static_range(1, W):
-                b_dp = _conv1d_dpre(x, weight, dy, b_bias, o_t, k, b_st, b_en, n_rows, o_c, m_c, C, W, BT, BC, SILU)
-                b_w = tl.load(weight + o_c * W + (W - 1 - k), mask=m_c, other=0.0).to(tl.float32)
-                b_dx += b_dp * b_w[None, :]
-            p_dx = dx + o_t.to(tl.int64)[:, None] * C + o_c[None, :]
-            tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-        p_dw = dw_part + (i_g * C + o_c).to(tl.int64)[:, None] * W + o_w[None, :]
-        tl.store(p_dw, b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
-        tl.store(db_part + (i_g * C + o_c).to(tl.int64), b_db, mask=m_c)
+        r0 = i_g * group_rows
+        o_2d = o_r[:, None] * C + o_c[None, :]  # int32 offsets of a tile from its first row
+        m_next = (o_r < n_rows - r0)[:, None] & m_c[None, :]
+        b_dy_next = tl.load(dy + tl.cast(r0, tl.int64) * C + o_2d, mask=m_next, other=0.0)
+        b_x_next = tl.load(x + tl.cast(r0, tl.int64) * C + o_2d, mask=m_next, other=0.0)
+        for i_r in range(r0, tl.minimum(r0 + group_rows, n_rows), BT):
+            b_dz = b_dy_next.to(tl.float32)
+            b_x0 = b_x_next.to(tl.float32)  # each row's own x: never before its sequence start
+            p_x = x + tl.cast(i_r, tl.int64) * C  # the tile's base pointers (int64)
+            p_dy = dy + tl.cast(i_r, tl.int64) * C
+            n_left = n_rows - i_r  # rows from i_r to the end of the tensor
+            m_next = (o_r < n_left - BT)[:, None] & m_c[None, :]
+            b_dy_next = tl.load(p_dy + BT * C + o_2d, mask=m_next, other=0.0)
+            b_x_next = tl.load(p_x + BT * C + o_2d, mask=m_next, other=0.0)
+            # each row's sequence start, as an offset from i_r (n_left past the last row)
+            if IS_VARLEN:
+                b_st = _conv1d_tile_rows(starts, i_r, n_rows, n_rows, BT) - i_r
+            else:
+                b_st = ((i_r + o_r) // T) * T - i_r
+            if SILU:
+                b_w = tl.load(weight_t + (W - 1) * C + o_c, mask=m_c, other=0.0).to(tl.float32)
+                b_pre = b_x0 * b_w[None, :]
+                if HAS_BIAS:
+                    b_pre += b_bias[None, :]
+                for j in tl.static_range(W - 1):
+                    o_s = o_r + (j - (W - 1))  # rows of tap j, zero before each row's sequence start
+                    m_s = ((o_s >= b_st) & (o_s < n_left))[:, None] & m_c[None, :]
+                    b_x = tl.load(p_x + (j - (W - 1)) * C + o_2d, mask=m_s, other=0.0).to(tl.float32)
+                    b_w = tl.load(weight_t + j * C + o_c, mask=m_c, other=0.0).to(tl.float32)
+                    b_pre += b_x * b_w[None, :]
+                b_sg = tl.sigmoid(b_pre)
+                b_dz = b_dz * b_sg * (1.0 + b_pre * (1.0 - b_sg))
+                # Stored before dweight re-reads the shifted x rows (from cache): the compiler cannot
+                # merge loads across the store, so the W fp32 x tiles are not all kept live.
+                p_dz = dz + tl.cast(i_r, tl.int64) * C + o_2d
+                tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=(o_r < n_left)[:, None] & m_c[None, :])
+            if HAS_BIAS:
+                b_db += tl.sum(b_dz, 0)
+            # per tap: a select between the updated and the old accumulator, so only tap j's row adds
+            b_dw = tl.where(o_w[:, None] == W - 1, b_dw + tl.sum(b_dz * b_x0, 0)[None, :], b_dw)
+            for j in tl.static_range(W - 1):
+                o_s = o_r + (j - (W - 1))
+                m_s = ((o_s >= b_st) & (o_s < n_left))[:, None] & m_c[None, :]
+                b_x = tl.load(p_x + (j - (W - 1)) * C + o_2d, mask=m_s, other=0.0).to(tl.float32)
+                b_dw = tl.where(o_w[:, None] == j, b_dw + tl.sum(b_dz * b_x, 0)[None, :], b_dw)
+        p_dw = dw_part + (i_g * C + o_c).to(tl.int64)[None, :] * W + o_w[:, None]
+        tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_c[None, :])
+        if HAS_BIAS:
+            tl.store(db_part + (i_g * C + o_c).to(tl.int64), b_db, mask=m_c)
+
+
+@triton.jit(do_not_specialize=["n_rows", "T", "group_rows"])
+def _conv1d_bwd_dx_kernel(
+    dz,
+    weight_t,
+    ends,
+    dx,
+    n_rows,
+    T,
+    group_rows,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """One program per (group of group_rows rows, BC channels) (1-D grid, looping), walking its rows
+    in tiles of BT: dx[t] = sum_k weight[:, W - 1 - k] * dz[t + k] over the t + k before the end of
+    t's own sequence, in dx's dtype. Of the W shifted dz tiles only the last (shift W - 1) holds rows
+    not yet in cache; it is loaded one tile ahead, the others are re-read from cache."""
+    i_p = tl.program_id(0)
+    n_cb = tl.cdiv(C, BC)
+    o_r = tl.arange(0, BT)
+    for i_tile in range(i_p, tl.cdiv(n_rows, group_rows) * n_cb, tl.num_programs(0)):
+        i_g, i_c = i_tile // n_cb, i_tile % n_cb
+        o_c = i_c * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        r0 = i_g * group_rows
+        o_2d = o_r[:, None] * C + o_c[None, :]  # int32 offsets of a tile from its first row
+        m_last = (o_r + (W - 1) < n_rows - r0)[:, None] & m_c[None, :]
+        b_last_next = tl.load(dz + tl.cast(r0, tl.int64) * C + (W - 1) * C + o_2d, mask=m_last, other=0.0)
+        for i_r in range(r0, tl.minimum(r0 + group_rows, n_rows), BT):
+            p_dz = dz + tl.cast(i_r, tl.int64) * C  # the tile's base pointer (int64)
+            b_last = b_last_next
+            m_last = (o_r + (BT + W - 1) < n_rows - i_r)[:, None] & m_c[None, :]
+            b_last_next = tl.load(p_dz + (BT + W - 1) * C + o_2d, mask=m_last, other=0.0)
+            # each row's sequence end, as an offset from i_r (0 past the last row)
+            if IS_VARLEN:
+                b_en = _conv1d_tile_rows(ends, i_r, n_rows, 0, BT) - i_r
+            else:
+                b_en = tl.minimum(((i_r + o_r) // T) * T + T, n_rows) - i_r
+            b_w = tl.load(weight_t + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_dx = tl.where((o_r + (W - 1) < b_en)[:, None], b_last.to(tl.float32), 0.0) * b_w[None, :]
+            for k in tl.static_range(W - 1):
+                m_k = (o_r + k < b_en)[:, None] & m_c[None, :]
+                b_dz = tl.load(p_dz + k * C + o_2d, mask=m_k, other=0.0).to(tl.float32)
+                b_w = tl.load(weight_t + (W - 1 - k) * C + o_c, mask=m_c, other=0.0).to(tl.float32)
+                b_dx += b_dz * b_w[None, :]
+            p_dx = dx + tl.cast(i_r, tl.int64) * C + o_2d
+            tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(o_r < n_rows - i_r)[:, None] & m_c[None, :])
 
 
 def _fwd_grid(meta: dict) -> tuple[int]:
     return grid_1d(cdiv(meta["n_rows"], meta["BT"]) * cdiv(meta["C"], meta["BC"]))
 
 
-def _bwd_grid(meta: dict) -> tuple[int]:
+def _bounds_grid(meta: dict) -> tuple[int]:
+    return grid_1d(cdiv(meta["n_rows"], meta["BLOCK"]))
+
+
+def _dz_grid(meta: dict) -> tuple[int]:
     return grid_1d(cdiv(meta["n_rows"], meta["group_rows"]) * cdiv(meta["C"], meta["BC"]))
 
 
-def _group_rows(n_rows: int) -> int:
-    """Rows per backward group: a power of two >= MIN_GROUP_ROWS giving about TARGET_GROUPS groups."""
-    return next_pow2(cdiv(n_rows, TARGET_GROUPS), MIN_GROUP_ROWS)
+def _group_rows(n_rows: int, C: int) -> int:
+    """Rows per dz-kernel group: a power of two >= MIN_GROUP_ROWS giving about TARGET_DZ_PROGRAMS
+    programs at NOMINAL_BC channels per tile (fixed before the config is picked: it sizes the partials)."""
+    n_groups = max(1, TARGET_DZ_PROGRAMS // cdiv(C, NOMINAL_BC))
+    return next_pow2(cdiv(n_rows, n_groups), MIN_GROUP_ROWS)
 
 
-def _bwd_meta(shape: dict) -> dict:
+def _dz_meta(shape: dict) -> dict:
     return {"BW": next_pow2(shape["W"], 1)}
 
 
@@ -257,8 +360,8 @@ def _fwd_runtime(shape: dict) -> dict:
     return {"n_rows": shape["T"]}
 
 
-def _bwd_runtime(shape: dict) -> dict:
-    return {"n_rows": shape["T"], "group_rows": _group_rows(shape["T"])}
+def _dz_runtime(shape: dict) -> dict:
+    return {"n_rows": shape["T"], "group_rows": _group_rows(shape["T"], shape["C"])}
 
 
 KERNEL_LAUNCHES = {
@@ -269,11 +372,25 @@ KERNEL_LAUNCHES = {
         "runtime": _fwd_runtime,
         "max_shapes": MAX_SHAPES,
     },
-    "_conv1d_bwd_kernel": {
-        "configs": BWD_CONFIGS,
-        "meta": _bwd_meta,
-        "grid": _bwd_grid,
-        "runtime": _bwd_runtime,
+    "_conv1d_bounds_kernel": {
+        "configs": BOUNDS_CONFIGS,
+        "meta": lambda shape: {},
+        "grid": _bounds_grid,
+        "runtime": _fwd_runtime,
+        "max_shapes": MAX_SHAPES,
+    },
+    "_conv1d_bwd_dz_kernel": {
+        "configs": BWD_DZ_CONFIGS,
+        "meta": _dz_meta,
+        "grid": _dz_grid,
+        "runtime": _dz_runtime,
+        "max_shapes": MAX_SHAPES,
+    },
+    "_conv1d_bwd_dx_kernel": {
+        "configs": BWD_DX_CONFIGS,
+        "meta": lambda shape: {},
+        "grid": _dz_grid,
+        "runtime": lambda shape: {"n_rows": shape["T"], "group_rows": DX_GROUP_ROWS},
         "max_shapes": MAX_SHAPES,
     },
 }
@@ -325,37 +442,72 @@ def conv1d_fwd(x, weight, bias, cu_seqlens, opts: Conv1dOptions) -> torch.Tensor
 
 def conv1d_bwd(x, weight, bias, cu_seqlens, dy, opts: Conv1dOptions):
     """x, dy [n_rows, C] -> dx [n_rows, C] in x's dtype, dweight [C, W] and dbias [C] (None without
-    bias) in their parameters' dtypes."""
+    bias) in their parameters' dtypes. Three launches: per-row sequence bounds (packed input only),
+    dz + dweight/dbias partials, dx."""
     n_rows, C = x.shape
     W = weight.shape[1]
     dx = torch.empty_like(x)
     if x.numel() == 0:
         dw = torch.zeros_like(weight)
         return dx, dw, None if bias is None else torch.zeros_like(bias)
-    group_rows = _group_rows(n_rows)
+    seq = _seq_args(cu_seqlens, x, opts.seq_len)
+    starts = ends = x  # not read for plain [B, T] input
+    if cu_seqlens is not None:
+        starts = torch.empty(n_rows, dtype=torch.int32, device=x.device)
+        ends = torch.empty(n_rows, dtype=torch.int32, device=x.device)
+        launch(
+            _conv1d_bounds_kernel,
+            BOUNDS_CONFIGS,
+            [],
+            _bounds_grid,
+            cu_seqlens=cu_seqlens,
+            starts=starts,
+            ends=ends,
+            n_rows=n_rows,
+            n_seqs=seq["n_seqs"],
+            n_search=seq["n_search"],
+        )
+    group_rows = _group_rows(n_rows, C)
     n_groups = cdiv(n_rows, group_rows)
     dw_part = torch.empty(n_groups, C, W, dtype=torch.float32, device=x.device)
     db_part = torch.empty(n_groups, C, dtype=torch.float32, device=x.device)
+    # dz in x's dtype: one write and one read of [n_rows, C] more than a fused kernel, which would
+    # recompute W pre-activations (and sigmoids) per token instead; its rounding (bf16: 2^-9
+    # relative) is that of dx's own output.
+    dz = torch.empty_like(x) if opts.silu else dy
+    # [W, C]: each tap one contiguous row. Kept in weight's dtype: a tap vector then gets the same
+    # register layout as the activation tiles when the dtypes match (an fp32 tap next to bf16 tiles
+    # would be shuffled through shared memory on every tile).
+    weight_t = weight.t().contiguous()
+    common = {"weight_t": weight_t, "n_rows": n_rows, "T": seq["T"], "C": C, "W": W, "IS_VARLEN": seq["IS_VARLEN"]}
     launch(
-        _conv1d_bwd_kernel,
-        BWD_CONFIGS,
+        _conv1d_bwd_dz_kernel,
+        BWD_DZ_CONFIGS,
         ["C", "W", "HAS_BIAS", "SILU", "IS_VARLEN"],
-        _bwd_grid,
+        _dz_grid,
         x=x,
-        weight=weight,
         bias=x if bias is None else bias,
+        starts=starts,
         dy=dy,
-        dx=dx,
+        dz=dz,
         dw_part=dw_part,
         db_part=db_part,
-        n_rows=n_rows,
         group_rows=group_rows,
-        C=C,
-        W=W,
         HAS_BIAS=bias is not None,
         SILU=opts.silu,
-        **_seq_args(cu_seqlens, x, opts.seq_len),
-        **_bwd_meta({"W": W}),
+        **common,
+        **_dz_meta({"W": W}),
+    )
+    launch(
+        _conv1d_bwd_dx_kernel,
+        BWD_DX_CONFIGS,
+        ["C", "W", "IS_VARLEN"],
+        _dz_grid,
+        dz=dz,
+        ends=ends,
+        dx=dx,
+        group_rows=DX_GROUP_ROWS,
+        **common,
     )
     dw = dw_part.sum(0).to(weight.dtype)
     db = None if bias is None else db_part.sum(0).to(bias.dtype)

@@ -188,7 +188,7 @@ def test_triton_no_bias_and_odd_widths(nan_poison):
     check_triton(1, [4, 1], 8, torch.float32, W=1)
 
 
-N_CONFIGS = 6  # the longer of conv.FWD_CONFIGS / conv.BWD_CONFIGS (asserted below)
+N_CONFIGS = 6  # the longest of conv.FWD_CONFIGS / BWD_DZ_CONFIGS / BWD_DX_CONFIGS (asserted below)
 
 
 @pytest.mark.parametrize("i", range(1, N_CONFIGS))
@@ -197,10 +197,23 @@ def test_triton_every_config_matches_fp64(i, monkeypatch, nan_poison):
     run config i first."""
     from verl_moe.ops.conv1d import conv
 
-    assert max(len(conv.FWD_CONFIGS), len(conv.BWD_CONFIGS)) == N_CONFIGS
+    assert max(len(conv.FWD_CONFIGS), len(conv.BWD_DZ_CONFIGS), len(conv.BWD_DX_CONFIGS)) == N_CONFIGS
     monkeypatch.setattr(conv, "FWD_CONFIGS", [conv.FWD_CONFIGS[i % len(conv.FWD_CONFIGS)]])
-    monkeypatch.setattr(conv, "BWD_CONFIGS", [conv.BWD_CONFIGS[i % len(conv.BWD_CONFIGS)]])
+    for name in ("BWD_DZ_CONFIGS", "BWD_DX_CONFIGS"):
+        configs = getattr(conv, name)
+        monkeypatch.setattr(conv, name, [configs[i % len(configs)]])
     check_triton(1, [40, 1, 0, 30, 2], 8, torch.float32)  # 73 rows: two backward row groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_several_channel_blocks(dtype, monkeypatch, nan_poison):
+    """The shipped backward tiles span 512-2048 channels, so C < 1024 here is one channel block: with
+    16-channel tiles, C = 40 is three (the last partial), with dweight partials per block, W = 3."""
+    from verl_moe.ops.conv1d import conv
+
+    for name in ("BWD_DZ_CONFIGS", "BWD_DX_CONFIGS"):
+        monkeypatch.setattr(conv, name, [{**getattr(conv, name)[0], "BC": 16, "num_warps": 1}])
+    check_triton(1, [5, 1, 0, 3, 9], 40, dtype, W=3)
 
 
 def test_triton_batch_rows_and_no_tokens(nan_poison):
