@@ -209,18 +209,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "data":
         print(json.dumps(make(args.out, args.task, args.train, args.val, args.seed), indent=1))
         return
+    out = os.path.abspath(args.out)  # main_ppo runs in `out`: relative paths would resolve there
     paths = {
-        "model": os.path.join(args.out, "model"),
-        "train": os.path.join(args.out, "data", "train.parquet"),
-        "val": os.path.join(args.out, "data", "val.parquet"),
+        "model": os.path.join(out, "model"),
+        "train": os.path.join(out, "data", "train.parquet"),
+        "val": os.path.join(out, "data", "val.parquet"),
     }
     for path in paths.values():
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: run `python scripts/toy_rl.py data {args.out}` first")
     command = main_ppo_command(args.recipe, paths, args.steps, overrides)
-    metrics = os.path.join(args.out, f"{args.recipe}.jsonl")
+    metrics = os.path.join(out, f"{args.recipe}.jsonl")
     print(" ".join(command), flush=True)
-    sys.exit(subprocess.call(command, env=main_ppo_env(metrics), cwd=args.out))
+    sys.exit(subprocess.call(command, env=main_ppo_env(metrics), cwd=out))
 
 
 if __name__ == "__main__":
