@@ -2,8 +2,9 @@
 (our fsdp2 engine) and `recipe/tiny_cpu_veomni` (our veomni engine, experts split over the 2
 ranks), both with our `verl_moe` rollout, on a tiny Qwen3.5-MoE, a byte-level tokenizer and
 gsm8k-shaped parquet made here (`scripts/toy_rl.py`, arith task: "a+b=" prompts, a rule reward
-with partial credit for digits). One run per recipe, STEPS GRPO steps, checked from verl's JSONL
-file logger:
+with partial credit for digits). Per recipe, checked from verl's JSONL file logger: a SHORT_STEPS run
+in the default suite (exit, metrics, fp32 reference, weights reaching the rollout) and a STEPS run,
+marked slow, that also checks learning:
 
 - the run exits 0 and every step logs finite loss, grad norm, reward, KL and rollout metrics;
 - the reference model is fp32 like the actor: the KL loss of step 1 (one on-policy update per
@@ -32,6 +33,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
+SHORT_STEPS = 2
 RUN_TIMEOUT_S = 1200
 PER_STEP = (
     "actor/loss",
@@ -63,10 +65,10 @@ def toy(tmp_path_factory):
     return toy_rl, toy_rl.make(str(tmp_path_factory.mktemp("toy_rl")), task="arith")
 
 
-def _run_main_ppo(toy_rl, paths, recipe: str, workdir) -> dict[int, dict]:
+def _run_main_ppo(toy_rl, paths, recipe: str, workdir, steps: int) -> dict[int, dict]:
     """Run main_ppo in its own process group (killed whole on timeout); {step: metrics}."""
     metrics = workdir / "metrics.jsonl"
-    command = toy_rl.main_ppo_command(recipe, paths, STEPS, ["trainer.val_before_train=false"])
+    command = toy_rl.main_ppo_command(recipe, paths, steps, ["trainer.val_before_train=false"])
     log = workdir / "main_ppo.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -128,24 +130,36 @@ def test_tiny_recipes_fit_a_small_cpu_machine(recipe):
     assert _compose(recipe, ["platform=gpu"]).actor_rollout_ref.rollout.name == "vllm"
 
 
+def _check_run(steps: dict, n_steps: int) -> None:
+    """Every step logged finite metrics; the reference equals the actor before the first update; from
+    step 2 on the rollout's log-probs follow the trained policy, not the initial weights."""
+    assert sorted(s for s in steps if "critic/score/mean" in steps[s]) == list(range(1, n_steps + 1))
+    for step in range(1, n_steps + 1):
+        for key in PER_STEP:
+            assert math.isfinite(steps[step][key]), (step, key, steps[step].get(key))
+    assert steps[1]["actor/kl_loss"] <= 1e-9, steps[1]["actor/kl_loss"]
+    assert steps[2]["actor/kl_loss"] > 1e-5, "the first update did not move the policy"
+    for step in range(2, n_steps + 1):
+        rollout_kl, policy_kl = steps[step]["rollout_corr/k3_kl"], steps[step]["actor/kl_loss"]
+        assert rollout_kl <= 1e-3 * policy_kl, (step, rollout_kl, policy_kl)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize("recipe", ["tiny_cpu", "tiny_cpu_veomni"])
+def test_main_ppo_runs_two_steps(toy, tmp_path, recipe):
+    toy_rl, paths = toy
+    _check_run(_run_main_ppo(toy_rl, paths, recipe, tmp_path, SHORT_STEPS), SHORT_STEPS)
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("recipe", ["tiny_cpu", "tiny_cpu_veomni"])
 def test_main_ppo_trains_and_learns(toy, tmp_path, recipe):
     toy_rl, paths = toy
-    steps = _run_main_ppo(toy_rl, paths, recipe, tmp_path)
-    assert sorted(s for s in steps if "critic/score/mean" in steps[s]) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        for key in PER_STEP:
-            assert math.isfinite(steps[step][key]), (step, key, steps[step].get(key))
-
-    assert steps[1]["actor/kl_loss"] <= 1e-9, steps[1]["actor/kl_loss"]
-    assert steps[2]["actor/kl_loss"] > 1e-5, "the first update did not move the policy"
-    for step in range(2, STEPS + 1):
-        rollout_kl, policy_kl = steps[step]["rollout_corr/k3_kl"], steps[step]["actor/kl_loss"]
-        assert rollout_kl <= 1e-3 * policy_kl, (step, rollout_kl, policy_kl)
-
+    steps = _run_main_ppo(toy_rl, paths, recipe, tmp_path, STEPS)
+    _check_run(steps, STEPS)
     rewards = [steps[s]["critic/score/mean"] for s in range(1, STEPS + 1)]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last >= first + 0.2 and last >= 3 * first, rewards
