@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo demo-rl test lint
+.PHONY: install demo demo-rl test test-slow lint
 
 $(VENV)/.installed: pyproject.toml setup.py scripts/install.sh scripts/constraints.txt
 	bash scripts/install.sh
@@ -33,5 +33,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# CI's run: everything but the `slow` tests (the checkpoint kill sweep, 10-step GRPO learning runs, the
+# wheel install, all-config compiles: ~25 min more on 2 cores); `make test-slow` runs those.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
