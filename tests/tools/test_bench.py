@@ -113,3 +113,29 @@ def test_source_sha_names_the_code_not_its_location(tmp_path):
     # the installed package: its subpackages side by side (the editable install maps them from one folder)
     base = Path(verl_moe.ops.__file__).parent.parent
     assert source_sha() == source_sha([base / part for part in PACKAGE_PARTS])
+
+
+@pytest.mark.gpu
+def test_kernel_time_counts_device_work_only():
+    """kernel_ms sums the kernels of a call: for a call that runs one GEMM it is close to the GEMM
+    alone timed by CUDA events, and no larger than the call's synchronised wall time."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    call = lambda: a @ a  # noqa: E731
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    event_ms = start.elapsed_time(end) / 10
+    kms = bench.kernel_ms(call, 5)
+    assert 0.5 * event_ms < kms < 1.5 * event_ms
+    assert kms <= bench.time_ms(call, 5) * 1.05
+
+
+def test_kernel_time_is_nan_off_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    assert bench.kernel_ms(lambda: torch.ones(3) + 1, 2) != bench.kernel_ms(lambda: None, 1)  # NaN != NaN
