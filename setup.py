@@ -1,4 +1,9 @@
-"""The repo's top-level folders are the subpackages of one import namespace, `verl_moe`."""
+"""The repo's top-level folders are the subpackages of one package, `verl_moe`.
+
+Wheel: `verl_moe/__init__.py` plus each folder as `verl_moe/<folder>` (this mapping). Checkout and
+`pip install -e .`: `verl_moe/__init__.py` sets the package's path to the repo root, so the folders
+resolve from the same tree as the `verl_moe` imported (tests/test_package.py checks both).
+"""
 
 from setuptools import find_packages, setup
 
