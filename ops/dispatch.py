@@ -35,13 +35,18 @@ def _env_choice(op: str) -> str | None:
     return pairs.get(op)
 
 
-def _unrunnable_reason(impl: str) -> str | None:
-    """Why `impl` cannot run in this process, or None when it can."""
+def unrunnable_reason(impl: str, interpreter: bool = True) -> str | None:
+    """Why `impl` ("triton", an anchor of ANCHOR_PACKAGES, or plain PyTorch code of ours) cannot run in
+    this process, or None when it can. interpreter=False counts Triton only on a cuda/npu device (the
+    benchmarks' shapes are far too large for TRITON_INTERPRET)."""
     if impl == "triton":
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
-        if not device.is_accelerator() and os.environ.get("TRITON_INTERPRET") != "1":
-            return "no cuda/npu device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
+        if not device.is_accelerator():
+            if not interpreter:
+                return "no cuda/npu device (these shapes are too large for the Triton interpreter)"
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                return "no cuda/npu device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
         return None
     package = ANCHOR_PACKAGES.get(impl)
     if package is None:  # plain PyTorch code of ours: runs anywhere
@@ -67,7 +72,7 @@ def resolve(op: str, impl: str | None = None) -> Callable:
     name = name or "torch"
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choices: {sorted(impls)}")
-    reason = _unrunnable_reason(name)
+    reason = unrunnable_reason(name)
     if reason is not None:
         raise ValueError(f"op {op!r} implementation {name!r} cannot run here: {reason}")
     return _load(op, impls[name], name)

@@ -9,11 +9,9 @@ Outputs, in order: y, then for "fwd_bwd" dx, dweight of sum(y * dy).
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from .. import device
+from ..dispatch import unrunnable_reason
 
 CASES = [{"id": f"T{t}-C8192-W4-N{n}", "T": t, "C": 8192, "W": 4, "N": n} for t in (8192, 16384) for n in (1, 64)]
 PROVIDERS = ("triton", "fla", "torch")
@@ -25,16 +23,10 @@ TOLERANCE = {"triton": 1e-2, "fla": 1e-2, "torch": 0.0}
 
 
 def unavailable(provider: str) -> str | None:
+    """Why `provider` cannot run in this process, or None."""
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
-    if provider in ("triton", "fla") and not device.is_accelerator():
-        return f"{provider} needs a cuda/npu device"
-    if provider == "fla":
-        if importlib.util.find_spec("fla") is None:
-            return "fla is not installed (pip install 'verl-moe[bench]')"
-        if device.device_type() != "cuda":
-            return "fla runs on cuda only"
-    return None
+    return unrunnable_reason(provider, interpreter=False)
 
 
 def make_inputs(case: dict, device: torch.device) -> dict:

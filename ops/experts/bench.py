@@ -19,9 +19,7 @@ import importlib.util
 
 import torch
 
-from .. import device as dev
-from ..common.launch import interpreting
-from ..dispatch import resolve
+from ..dispatch import resolve, unrunnable_reason
 from .reference import moe_experts_ref
 
 _QWEN = {"E": 256, "topk": 8, "D": 2048, "I": 512, "dtype": "bfloat16"}
@@ -39,13 +37,11 @@ def unavailable(provider: str) -> str | None:
     """Why `provider` cannot run in this process, or None."""
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
-    if provider == "triton" and not (dev.is_accelerator() or interpreting()):
-        return "no cuda/npu device (set TRITON_INTERPRET=1 for the tiny case)"
+    if provider == "triton":
+        return unrunnable_reason("triton")  # the tiny case runs under TRITON_INTERPRET=1
     if provider == "liger":
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "liger_kernel is not installed (pip install 'verl-moe[bench]')"
-        if dev.device_type() != "cuda":
-            return "Liger's fused MoE runs on cuda here"
+        if reason := unrunnable_reason("liger"):
+            return reason
         try:
             module = importlib.import_module("liger_kernel.ops.fused_moe")
         except Exception as exc:  # report why instead of failing the whole run

@@ -8,12 +8,11 @@ golden of the correctness check; it is too slow to check the 64K-token case.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
-from .. import device
+from ..dispatch import unrunnable_reason
 
 CASES = [
     {"id": "B1-T4096-H16-HV32", "B": 1, "T": 4096},
@@ -33,16 +32,10 @@ TOLERANCE = {"triton": 2e-2, "fla": 2e-2, "torch": 0.0}
 
 
 def unavailable(provider: str) -> str | None:
+    """Why `provider` cannot run in this process, or None."""
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
-    if provider in ("triton", "fla") and not device.is_accelerator():
-        return f"{provider} needs a cuda/npu device"
-    if provider == "fla":
-        if importlib.util.find_spec("fla") is None:
-            return "fla is not installed (pip install 'verl-moe[bench]')"
-        if device.device_type() != "cuda":
-            return "fla runs on cuda only"
-    return None
+    return unrunnable_reason(provider, interpreter=False)
 
 
 def make_inputs(case: dict, device: torch.device) -> dict:

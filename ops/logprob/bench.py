@@ -22,7 +22,7 @@ import importlib.util
 
 import torch
 
-from .. import device as dev
+from ..dispatch import unrunnable_reason
 from . import logprobs_and_entropy
 
 CASES: list[dict] = [
@@ -49,15 +49,10 @@ def unavailable(provider: str) -> str | None:
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
     if provider == "ours-triton":
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed"
-        if not dev.is_accelerator():
-            return "no cuda/npu device"
+        return unrunnable_reason("triton", interpreter=False)
     if provider.startswith("liger"):
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "liger_kernel is not installed (pip install 'verl-moe[bench]')"
-        if dev.device_type() != "cuda":
-            return "liger's fused linear cross entropy runs on cuda here"
+        if reason := unrunnable_reason("liger"):
+            return reason
         try:
             importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy")
         except Exception as exc:  # report why instead of failing the whole run

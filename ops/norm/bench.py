@@ -18,12 +18,10 @@ gate, residual (those the case has) of sum(norm * dy) + sum(h * dh).
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-from .. import device
+from ..dispatch import unrunnable_reason
 from .reference import rms_norm_ref
 
 EPS = 1e-6
@@ -53,15 +51,7 @@ def unavailable(provider: str) -> str | None:
     """Why `provider` cannot run in this process, or None."""
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
-    if provider == "triton" and not device.is_accelerator():
-        return "no cuda/npu device"
-    package = {"liger": "liger_kernel", "fla": "fla"}.get(provider)
-    if package is not None:
-        if importlib.util.find_spec(package) is None:
-            return f"{package} is not installed (pip install 'verl-moe[bench]')"
-        if device.device_type() != "cuda":
-            return f"{provider} runs on cuda only here"
-    return None
+    return unrunnable_reason(provider, interpreter=False)
 
 
 def make_inputs(case: dict, device: torch.device) -> dict:

@@ -20,11 +20,9 @@ Outputs, in order: q, k (+ dq, dk); "torch" (the reference) is the golden.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from .. import device
+from ..dispatch import unrunnable_reason
 
 CASES = [
     {"id": "qwen3.5-T8192-H16-HKV2-K256-R64", "T": 8192, "H": 16, "HKV": 2, "K": 256, "R": 64, "gate": True},
@@ -40,16 +38,10 @@ TOLERANCE = {"triton": 1e-2, "liger": 1e-2, "liger_inplace": 0.0, "torch": 0.0}
 
 
 def unavailable(provider: str) -> str | None:
+    """Why `provider` cannot run in this process, or None ("liger_inplace" is Liger's kernel)."""
     if provider not in PROVIDERS:
         return f"unknown provider {provider!r}"
-    if provider == "triton" and not device.is_accelerator():
-        return "triton needs a cuda/npu device"
-    if provider.startswith("liger"):
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "liger_kernel is not installed (pip install 'verl-moe[bench]')"
-        if device.device_type() != "cuda":
-            return "liger runs on cuda only"
-    return None
+    return unrunnable_reason(provider.removesuffix("_inplace"), interpreter=False)
 
 
 def make_inputs(case: dict, device: torch.device) -> dict:
