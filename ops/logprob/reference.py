@@ -33,8 +33,30 @@ def logprobs_and_entropy_ref(
     """
     dtype = dtype or torch.promote_types(hidden.dtype, torch.float32)
     logits = hidden.to(dtype) @ weight.to(dtype).t()
+    return logprobs_from_logits_ref(logits, labels, temperature, calculate_entropy)
+
+
+def logprobs_from_logits_ref(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    calculate_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) and entropy of softmax(logits / T), in the logits' dtype (for a model that
+    returns logits, e.g. megatron's GPTModel).
+
+    Args:
+        logits: [N, VOCAB] float.
+        labels: [N] int64 in [0, VOCAB).
+        temperature: python scalar or [N] tensor, > 0 (not checked here).
+        calculate_entropy: also return the entropy.
+
+    Returns:
+        log_prob: [N] in logits.dtype.
+        entropy: [N] in logits.dtype, or None.
+    """
     if isinstance(temperature, torch.Tensor):
-        logits = logits / temperature.to(dtype).reshape(-1, 1)
+        logits = logits / temperature.to(logits.dtype).reshape(-1, 1)
     else:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)

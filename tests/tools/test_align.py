@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
-from verl_moe.tools import align, align_backends, align_metrics, presets
-from verl_moe.tools.align_metrics import BackendTrace, Probe, StepTrace
+from verl_moe.tools import align
+from verl_moe.tools.align import data, metrics
+from verl_moe.tools.align.backends import parse_backend
+from verl_moe.tools.align.trace import BackendTrace, Probe, StepTrace, param_group
 
 FP64_REL = 1e-12
 PERTURBED = "reference:cfg.rope_parameters.partial_rotary_factor=0.5"  # a wrong rotary dim
@@ -68,7 +71,7 @@ def _trace(seed: int, base: BackendTrace | None = None, noise: float = 1e-3) -> 
 def test_step_metrics_match_independent_fp64():
     a = _trace(0)
     b = _trace(1, base=a)
-    m = align_metrics.step_metrics(a.steps[0], b.steps[0], a.params0)
+    m = metrics.step_metrics(a.steps[0], b.steps[0], a.params0)
     la, lb = a.steps[0].log_probs.tolist(), b.steps[0].log_probs.tolist()
     diffs = [abs(x - y) for x, y in zip(la, lb)]
     assert m["logp_abs_diff_mean"] == pytest.approx(sum(diffs) / len(diffs), rel=FP64_REL)
@@ -101,7 +104,7 @@ def test_identical_traces_give_zero_and_reordered_topk_is_not_a_flip():
     same = BackendTrace(
         "b", {"dtype": "fp64"}, a.params0, [replace(a.steps[0], topk=[t.flip(-1) for t in a.steps[0].topk])]
     )
-    m = align_metrics.step_metrics(a.steps[0], same.steps[0], a.params0)
+    m = metrics.step_metrics(a.steps[0], same.steps[0], a.params0)
     assert m["logp_abs_diff_max"] == 0 and m["kl_k3_mean"] == 0 and m["router_flip_rate"] == 0
     assert m["param_drift"] == 0 and m["grad_cosine_min"] == pytest.approx(1.0, rel=FP64_REL)
 
@@ -113,7 +116,7 @@ def test_first_exceeded_respects_direction_nan_and_unmeasured():
         {"logp_abs_diff_mean": float("nan"), "grad_cosine_min": 0.9, "router_flip_rate": None},
     ]
     tol = {"logp_abs_diff_mean": 1e-5, "grad_cosine_min": 0.999, "router_flip_rate": 0.0}
-    assert align_metrics.first_exceeded(curves, tol) == {
+    assert metrics.first_exceeded(curves, tol) == {
         "logp_abs_diff_mean": 2,
         "grad_cosine_min": 1,
         "router_flip_rate": None,
@@ -131,7 +134,7 @@ def test_probe_takes_the_same_coordinates_everywhere_and_groups_by_name():
         "model.norm.weight": (8,),
         "lm_head.weight": (50, 8),
     }
-    groups = {n: align_metrics.param_group(n) for n in names}
+    groups = {n: param_group(n) for n in names}
     assert groups["model.layers.0.mlp.gate.weight"] == "router"
     assert groups["model.layers.0.mlp.shared_expert_gate.weight"] == "experts"
     assert groups["model.layers.0.linear_attn.in_proj_qkv.weight"] == "gdn"
@@ -150,7 +153,7 @@ def test_probe_takes_the_same_coordinates_everywhere_and_groups_by_name():
 
 
 def test_backend_names_parse_and_router_ablation_expands():
-    spec = align_backends.parse_backend("fsdp2:dtype=bf16:router=fp32:world=2:cfg.a.b=0.5")
+    spec = parse_backend("fsdp2:dtype=bf16:router=fp32:world=2:cfg.a.b=0.5")
     assert (spec.name, spec.dtype, spec.router, spec.world, spec.overrides) == (
         "fsdp2",
         "bf16",
@@ -158,10 +161,10 @@ def test_backend_names_parse_and_router_ablation_expands():
         2,
         (("a.b", "0.5"),),
     )
-    assert align_backends.parse_backend(spec.label) == spec
+    assert parse_backend(spec.label) == spec
     for bad in ("nope", "reference:dtype=fp8", "reference:world=0", "reference:color=red", "reference:cfg.x=not-json"):
         with pytest.raises(ValueError):
-            align_backends.parse_backend(bad)
+            parse_backend(bad)
     cfg = align.AlignConfig(backends=("reference", "fsdp2"), router_ablation=True)
     assert [s.label for s in align.expand_backends(cfg)] == [
         "reference",
@@ -176,10 +179,10 @@ def test_backend_names_parse_and_router_ablation_expands():
 
 
 def test_stream_is_deterministic_and_verl_shaped():
-    spec = presets.get_preset("tiny-qwen3.5-moe").stream
-    one, two = presets.make_stream(spec, 512, 2, seed=7), presets.make_stream(spec, 512, 2, seed=7)
+    spec = data.get_preset("tiny-qwen3.5-moe").stream
+    one, two = data.make_stream(spec, 512, 2, seed=7), data.make_stream(spec, 512, 2, seed=7)
     for b1, b2 in zip(one, two):
-        assert all(torch.equal(b1[k], b2[k]) for k in presets.BATCH_KEYS)
+        assert all(torch.equal(b1[k], b2[k]) for k in data.BATCH_KEYS)
     b = one[0]
     g = spec.group_size
     assert torch.equal(b["prompts"][0], b["prompts"][g - 1])  # one prompt per group
@@ -217,7 +220,7 @@ def test_engines_match_reference_within_fp32_tolerances(e2e, engine):
 
 def test_report_validates_and_schema_rejects_a_broken_report(e2e):
     cfg, report = e2e
-    on_disk = json.loads((align.Path(cfg.out) / "report.json").read_text())
+    on_disk = json.loads((Path(cfg.out) / "report.json").read_text())
     align.validate_report(on_disk)
     assert on_disk["schema"] == align.SCHEMA_VERSION and on_disk["git_sha"] == report["git_sha"]
     assert len(on_disk["pairs"][0]["curves"]) == cfg.steps
@@ -234,7 +237,7 @@ def test_plots_are_written(e2e):
     _, report = e2e
     assert set(report["plots"]) == {"curves", "logp_hist"}
     for path in report["plots"].values():
-        data = align.Path(path).read_bytes()
+        data = Path(path).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
@@ -242,8 +245,8 @@ def test_reference_loss_is_the_grpo_objective(e2e):
     """The reference's loss equals GRPO's token-mean clipped objective recomputed here from its
     own log-probs and the stream (old log-probs, advantages): verl's loss is called as intended."""
     cfg, report = e2e
-    stream = torch.load(align.Path(cfg.out) / "stream.pt", weights_only=False)
-    trace = torch.load(align.Path(cfg.out) / "traces" / "reference.pt", weights_only=False)
+    stream = torch.load(Path(cfg.out) / "stream.pt", weights_only=False)
+    trace = torch.load(Path(cfg.out) / "traces" / "reference.pt", weights_only=False)
     for batch, step in zip(stream, trace.steps):
         mask = batch["response_mask"].bool()
         old, adv = batch["old_log_probs"][mask].double(), batch["advantages"][mask].double()

@@ -27,10 +27,13 @@ import pytest
 import torch
 from dist import spawn
 from verl_moe.ops.testing import assert_rel_rms
-from verl_moe.tools import align_backends as ab
-from verl_moe.tools import align_megatron as am
-from verl_moe.tools import presets
-from verl_moe.tools.align_metrics import Probe
+from verl_moe.tools.align import data
+from verl_moe.tools.align.backends import megatron as am
+from verl_moe.tools.align.backends import parse_backend, unavailable
+from verl_moe.tools.align.backends.reference import fill_old_log_probs, run_reference
+from verl_moe.tools.align.data import to_verl
+from verl_moe.tools.align.job import Job, TrainSettings, actor_config
+from verl_moe.tools.align.trace import Probe, gather_cat, response_values
 
 LOGP_MAX_ABS = 1e-5
 LOSS_ABS = 1e-6
@@ -42,9 +45,7 @@ PAD_INVARIANCE = 1e-6
 def _arch(preset: str, **overrides):
     from verl_moe import models
 
-    config = presets.hf_config(
-        replace(presets.get_preset(preset), config={**presets.PRESETS[preset].config, **overrides})
-    )
+    config = data.hf_config(replace(data.get_preset(preset), config={**data.PRESETS[preset].config, **overrides}))
     spec = models.get_spec(config.model_type)
     return spec.arch_config(spec.text_config(config)), config
 
@@ -94,7 +95,7 @@ def test_qwen35_is_refused_with_the_reason():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without CUDA")
 def test_backend_is_skipped_on_cpu_with_the_reason():
-    reason = ab.unavailable(ab.parse_backend("megatron"))
+    reason = unavailable(parse_backend("megatron"))
     try:
         import megatron.core  # noqa: F401
     except ImportError:
@@ -136,22 +137,22 @@ def _megatron_step0(rank: int, world: int, model_dir: str, stream_path: str, out
         n = batch["input_ids"].shape[0]
         rows = slice(rank * n // world, (rank + 1) * n // world)
         local = {key: v[rows] for key, v in batch.items()}
-        td = ab.to_verl(local, 1.0, global_batch_size=n)
+        td = to_verl(local, 1.0, global_batch_size=n)
         mm = am.build_megatron(model_dir, "fp32", "fp32", torch.device("cpu"), token_dispatcher="allgather")
-        out = am.forward_backward(mm, td, 1.0, ab.actor_config(ab.TrainSettings()), dp_size=world)
+        out = am.forward_backward(mm, td, 1.0, actor_config(TrainSettings()), dp_size=world)
         grads = {name: g.clone() for name, g in mm.named_main_grads().items()}
         loss = torch.tensor([out["loss"].item()], dtype=torch.float64)
         torch.distributed.all_reduce(loss)
         am.PAD_TOKEN = 7  # a real vocabulary id in every padded slot: real tokens must not see it
-        td = ab.to_verl(local, 1.0, global_batch_size=n)
-        repadded = am.forward_backward(mm, td, 1.0, ab.actor_config(ab.TrainSettings()), dp_size=world)
+        td = to_verl(local, 1.0, global_batch_size=n)
+        repadded = am.forward_backward(mm, td, 1.0, actor_config(TrainSettings()), dp_size=world)
         result = {
-            "log_probs": ab._gather_cat(ab.response_values(out["log_probs"], td), world),
-            "entropy": ab._gather_cat(ab.response_values(out["entropy"], td), world),
+            "log_probs": gather_cat(response_values(out["log_probs"], td), world),
+            "entropy": gather_cat(response_values(out["entropy"], td), world),
             "loss": loss.item() / world,
             "grads": grads,
-            "topk": ab._gather_cat(out["topk"], world),
-            "log_probs_repadded": ab._gather_cat(ab.response_values(repadded["log_probs"], td), world),
+            "topk": gather_cat(out["topk"], world),
+            "log_probs_repadded": gather_cat(response_values(repadded["log_probs"], td), world),
         }
         if rank == 0:
             torch.save(result, out_path)
@@ -167,14 +168,15 @@ def _megatron_step0(rank: int, world: int, model_dir: str, stream_path: str, out
 )
 def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, overrides, world):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'verl-moe[megatron]')")
-    preset = presets.get_preset("tiny-qwen3-moe")
+    preset = data.get_preset("tiny-qwen3-moe")
     preset = replace(preset, config={**preset.config, **overrides})
-    model_dir = presets.create_model_dir(preset, 0, tmp_path / "model")
-    stream = presets.make_stream(preset.stream, preset.config["vocab_size"], 1, seed=0)
-    ab.fill_old_log_probs(model_dir, stream, temperature=1.0)
+    model_dir = data.create_model_dir(preset, 0, tmp_path / "model")
+    stream = data.make_stream(preset.stream, preset.config["vocab_size"], 1, seed=0)
+    fill_old_log_probs(model_dir, stream, temperature=1.0)
     stream_path = tmp_path / "stream.pt"
     torch.save(stream, stream_path)
-    golden = ab.run_reference(ab.Job("reference", str(model_dir), str(stream_path), str(tmp_path / "ref.pt")))
+    job = Job("reference", str(model_dir), str(stream_path), str(tmp_path / "ref.pt"))
+    golden = run_reference(job, parse_backend("reference"))
     step = golden.steps[0]
 
     out_path = tmp_path / "megatron.pt"
@@ -186,7 +188,7 @@ def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, overrides, world)
     assert abs(got["loss"] - step.loss) < LOSS_ABS
     grad_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in got["grads"].values())).item()
     assert abs(grad_norm - step.grad_norm) / step.grad_norm < GRAD_NORM_REL
-    probe = Probe({n: g.numel() for n, g in got["grads"].items()}, budget=ab.TrainSettings().probe_budget)
+    probe = Probe({n: g.numel() for n, g in got["grads"].items()}, budget=TrainSettings().probe_budget)
     probed = probe.take(got["grads"])
     assert sorted(probed) == sorted(step.grads)
     for group, ref in step.grads.items():
@@ -208,7 +210,7 @@ def test_megatron_backend_aligns_with_reference_on_gpu(tmp_path, dtype):
     from verl_moe.tools import align
 
     backend = f"megatron:dtype={dtype}"
-    reason = ab.unavailable(ab.parse_backend(backend))
+    reason = unavailable(parse_backend(backend))
     if reason:
         pytest.skip(reason)
     report = align.run(

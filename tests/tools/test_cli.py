@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 from typer.testing import CliRunner
-from verl_moe.tools import align, align_backends, presets
+from verl_moe.tools import align
+from verl_moe.tools.align import data
+from verl_moe.tools.align.backends import parse_backend, unavailable
 from verl_moe.tools.cli import USAGE_EXIT, app
 
 MARKER_ENV = "VERL_MOE_TEST_MARKER"
@@ -38,7 +40,7 @@ def _evil_pickle(tmp_path, name="evil.pkl"):
 
 
 def _stream_batch(seed=3):
-    (batch,) = presets.make_stream(presets.StreamSpec(num_prompts=2, group_size=2), vocab_size=64, steps=1, seed=seed)
+    (batch,) = data.make_stream(data.StreamSpec(num_prompts=2, group_size=2), vocab_size=64, steps=1, seed=seed)
     return {**batch, "old_log_probs": torch.randn(batch["responses"].shape, dtype=torch.float32)}
 
 
@@ -58,16 +60,16 @@ def _assert_one_line_usage_error(result, *needles):
 def test_pickled_dump_is_refused_before_its_code_runs(tmp_path):
     path, marker = _evil_pickle(tmp_path)
     with pytest.raises(ValueError, match="--trust-pickle"):
-        presets.load_batch_dump(path, steps=1)
+        data.load_batch_dump(path, steps=1)
     zipped = tmp_path / "evil.pt"  # torch.save of an object: the zip branch of the same check
     zipped_marker = tmp_path / "evil.pt.marker"
     torch.save({"input_ids": _WritesMarker(str(zipped_marker))}, zipped)
     with pytest.raises(ValueError, match="--trust-pickle"):
-        presets.load_batch_dump(zipped, steps=1)
+        data.load_batch_dump(zipped, steps=1)
     assert not marker.exists() and not zipped_marker.exists()
     # the same file with the flag is unpickled: the marker appears (the refusal above was the guard)
     with pytest.raises(ValueError):
-        presets.load_batch_dump(path, steps=1, trust_pickle=True)  # no BATCH_KEYS in it
+        data.load_batch_dump(path, steps=1, trust_pickle=True)  # no BATCH_KEYS in it
     assert marker.exists()
 
 
@@ -75,25 +77,25 @@ def test_safe_dumps_load_without_the_flag_and_a_dataproto_needs_it(tmp_path):
     from verl import DataProto
 
     batch = _stream_batch()
-    safe = presets.save_batch_dump(batch, tmp_path / "dump.safetensors")
+    safe = data.save_batch_dump(batch, tmp_path / "dump.safetensors")
     torch.save(batch, tmp_path / "dict.pt")
     DataProto.from_single_dict(batch).save_to_disk(tmp_path / "dataproto.pkl")
     for path, trust in ((safe, False), (tmp_path / "dict.pt", False), (tmp_path / "dataproto.pkl", True)):
-        halves = presets.load_batch_dump(path, steps=2, trust_pickle=trust)
-        assert len(halves) == 2 and set(halves[0]) == {*presets.BATCH_KEYS, "old_log_probs"}
+        halves = data.load_batch_dump(path, steps=2, trust_pickle=trust)
+        assert len(halves) == 2 and set(halves[0]) == {*data.BATCH_KEYS, "old_log_probs"}
         for key, value in batch.items():
             joined = torch.cat([h[key] for h in halves])
             assert joined.dtype == value.dtype and torch.equal(joined, value), (path.name, key)
     with pytest.raises(ValueError, match="trust-pickle"):
-        presets.load_batch_dump(tmp_path / "dataproto.pkl", steps=2)
+        data.load_batch_dump(tmp_path / "dataproto.pkl", steps=2)
     with pytest.raises(ValueError, match="equal mini-batches"):
-        presets.load_batch_dump(safe, steps=3)
+        data.load_batch_dump(safe, steps=3)
     short = {**batch, "advantages": batch["advantages"][:1]}
     with pytest.raises(ValueError, match="different numbers of sequences"):
-        presets.load_batch_dump(presets.save_batch_dump(short, tmp_path / "short.safetensors"), steps=1)
+        data.load_batch_dump(data.save_batch_dump(short, tmp_path / "short.safetensors"), steps=1)
     (tmp_path / "junk.bin").write_bytes(b"not a dump at all")
     with pytest.raises(ValueError, match="junk.bin"):
-        presets.load_batch_dump(tmp_path / "junk.bin", steps=1)
+        data.load_batch_dump(tmp_path / "junk.bin", steps=1)
 
 
 # ---- usage errors through the command line ---------------------------------------------------------
@@ -104,9 +106,9 @@ def _usage_cases(tmp_path):
     truncated.write_text('{"step": 0, "data": {"actor/grad_norm": 1.0}}\n{"step": 1, "data": {"actor/gr\n')
     missing = str(tmp_path / "missing")
     batch = _stream_batch()
-    vocab = presets.get_preset("tiny-qwen3.5-moe").config["vocab_size"]
+    vocab = data.get_preset("tiny-qwen3.5-moe").config["vocab_size"]
     batch["input_ids"][0, -1] = vocab  # one id past the tiny preset's vocabulary
-    past_vocab = presets.save_batch_dump(batch, tmp_path / "past_vocab.safetensors")
+    past_vocab = data.save_batch_dump(batch, tmp_path / "past_vocab.safetensors")
     return [
         (
             ["align", "--batch-dump", str(past_vocab), "--steps", "1"],
@@ -145,7 +147,7 @@ def test_usage_errors_are_one_line_exit_2_before_any_work(tmp_path):
 
 
 def test_align_with_megatron_skipped_compares_nothing_and_fails(tmp_path):
-    reason = align_backends.unavailable(align_backends.parse_backend("megatron"))
+    reason = unavailable(parse_backend("megatron"))
     if reason is None:
         pytest.skip("megatron runs here: reference,megatron is a real comparison")
     out = tmp_path / "out"

@@ -3,14 +3,14 @@
 Per backend pair (the golden, normally the fp64 `reference`, against each other backend) the
 report holds the one-step metrics (step 0: same weights, same batch), the per-step curves over K
 optimizer steps (GRPO or GSPO through verl's `ppo_loss`, same AdamW and LR schedule), and the
-first step where each metric leaves its tolerance. Metric definitions: `align_metrics.METRICS`.
+first step where each metric leaves its tolerance. Metric definitions: `metrics.METRICS`.
 
-Tolerances: `DEFAULT_TOLERANCES[cls]`, where cls is the lower-precision parameter dtype of the
+Tolerances: `config.DEFAULT_TOLERANCES[cls]`, where cls is the lower-precision parameter dtype of the
 pair (fp64, fp32 or bf16); `--tol metric=value` overrides a metric for every pair. The run exits
 non-zero when any pair leaves a tolerance at any step or a backend fails; skipped backends
 (cannot run here) are listed with the reason and do not fail the run.
 
-Outputs under `out`: report.json (schema `REPORT_SCHEMA`), curves.png (K-step curves),
+Outputs under `out`: report.json (schema `report.REPORT_SCHEMA`), curves.png (K-step curves),
 logp_hist.png (per-token |Δ log-prob| at step 0), the model folder, the batch stream, and one
 trace + log per backend.
 
@@ -40,179 +40,26 @@ import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from . import align_backends as ab
-from .align_metrics import METRICS, BackendTrace, compare
-from .align_report import (
-    PRECISIONS,
-    REPORT_SCHEMA,
-    SCHEMA_VERSION,
-    json_safe,
-    plot_curves,
-    plot_logp_hist,
-    print_report,
-    validate_report,
-)
-from .presets import PRESETS, StreamSpec, create_model_dir, get_preset, load_batch_dump, make_stream
-
-__all__ = [
-    "DEFAULT_TOLERANCES",
-    "REPORT_SCHEMA",
-    "SCHEMA_VERSION",
-    "AlignConfig",
-    "expand_backends",
-    "print_report",
-    "run",
-    "validate_report",
-]
-ROUTER_ABLATION = ("bf16", "fp32", "fp64")
-
-# Upper bounds (lower bound for grad_cosine_min) per precision class of a pair, for the tiny presets.
-DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
-    "fp64": {
-        "logp_abs_diff_mean": 1e-9,
-        "logp_abs_diff_max": 1e-7,
-        "kl_k3_mean": 1e-12,
-        "entropy_abs_diff_mean": 1e-9,
-        "loss_abs_diff": 1e-9,
-        "grad_norm_rel_diff": 1e-7,
-        "grad_cosine_min": 1 - 1e-9,
-        "router_flip_rate": 0.0,
-        "param_drift": 1e-5,
-    },
-    "fp32": {
-        "logp_abs_diff_mean": 2e-5,
-        "logp_abs_diff_max": 5e-4,
-        "kl_k3_mean": 1e-8,
-        "entropy_abs_diff_mean": 2e-5,
-        "loss_abs_diff": 2e-5,
-        "grad_norm_rel_diff": 1e-3,
-        "grad_cosine_min": 0.999,
-        "router_flip_rate": 0.01,
-        "param_drift": 0.05,
-    },
-    "bf16": {
-        "logp_abs_diff_mean": 0.05,
-        "logp_abs_diff_max": 1.0,
-        "kl_k3_mean": 5e-3,
-        "entropy_abs_diff_mean": 0.05,
-        "loss_abs_diff": 0.02,
-        "grad_norm_rel_diff": 0.1,
-        "grad_cosine_min": 0.95,
-        "router_flip_rate": 0.1,
-        "param_drift": 0.5,
-    },
-}
-
-
-@dataclass(frozen=True)
-class AlignConfig:
-    """One `verl-moe align` run.
-
-    preset / model: a named preset (`presets.PRESETS`) or a local HF folder (`model` wins; the
-        preset then only shapes the batch stream). backends: backend names (see align_backends);
-        the first that runs is the golden. steps: K optimizer steps. out: output folder.
-    router_dtype: router dtype for every backend but the golden (None: each backend's default).
-    router_ablation: run each non-golden backend with a bf16, fp32 and fp64 router.
-    tolerances: (metric, value) overrides of DEFAULT_TOLERANCES. loss: grpo | gspo. seed: weights + stream.
-    batch_dump: a verl batch dump split into `steps` mini-batches instead of the generated stream
-        (safetensors or a torch file of tensors; a pickled `DataProto` needs `trust_pickle`, since
-        unpickling runs code stored in the file: `presets.load_batch_dump`).
-    stream: the generated stream's shape (None: the preset's). world_size: ranks of distributed
-        backends without `world=` (None: the preset's). train: optimizer / schedule / loss knobs.
-    old_logprob_noise: std of Gaussian noise added to the reference's θ0 log-probs to make
-        `old_log_probs` (0: on-policy, ratio 1 at step 0).
-    all_pairs: also compare every two non-golden backends (e.g. fsdp2 vs megatron at the same dtype).
-    jobs: launched backends (all but the in-process reference) run this many at a time; on one
-        accelerator they then share it, so their wall times overlap and are not comparable.
-    """
-
-    preset: str | None = "tiny-qwen3.5-moe"
-    model: str | None = None
-    backends: tuple[str, ...] = ("reference", "fsdp2")
-    steps: int = 5
-    out: str = "align_out"
-    router_dtype: str | None = None
-    router_ablation: bool = False
-    tolerances: tuple[tuple[str, float], ...] = ()
-    loss: str = "grpo"
-    seed: int = 0
-    batch_dump: str | None = None
-    stream: StreamSpec | None = None
-    world_size: int | None = None
-    train: ab.TrainSettings = field(default_factory=ab.TrainSettings)
-    old_logprob_noise: float = 0.0
-    jobs: int = 1
-    all_pairs: bool = False
-    trust_pickle: bool = False
-    progress: bool | None = None  # None: on when stdout is a terminal
-
-    def __post_init__(self):
-        if self.preset is None and self.model is None:
-            raise ValueError("give --preset or --model")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choices: {sorted(PRESETS)}")
-        if not self.backends:
-            raise ValueError("give at least one backend")
-        for b in self.backends:
-            ab.parse_backend(b)
-        if self.jobs < 1:
-            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.loss not in ab.LOSS_MODES:
-            raise ValueError(f"loss must be one of {list(ab.LOSS_MODES)}, got {self.loss!r}")
-        if self.router_dtype is not None and self.router_dtype not in ab.DTYPES:
-            raise ValueError(f"router_dtype must be one of {list(ab.DTYPES)}, got {self.router_dtype!r}")
-        if self.router_dtype is not None and self.router_ablation:
-            raise ValueError("router_dtype and router_ablation exclude each other")
-        for metric, value in self.tolerances:
-            if metric not in METRICS:
-                raise ValueError(f"unknown tolerance metric {metric!r}; metrics: {list(METRICS)}")
-            if not math.isfinite(value):  # a NaN bound is never exceeded: a gate that cannot fail
-                raise ValueError(f"tolerance {metric}={value} must be a finite number")
-        if self.train.loss != self.loss:
-            object.__setattr__(self, "train", replace(self.train, loss=self.loss))
-        labels = [s.label for s in expand_backends(self)]
-        if len(labels) < 2:
-            raise ValueError(
-                f"nothing to compare: --backends {','.join(self.backends)} names one backend ({labels[0]}); "
-                "give the golden and at least one more, e.g. reference,fsdp2"
-            )
-
-
-# ---- run ---------------------------------------------------------------------------------------
-
-
-def expand_backends(cfg: AlignConfig) -> list[ab.BackendSpec]:
-    """The backend list after --router-dtype / --router-ablation (the first backend, the golden, is kept)."""
-    specs = [ab.parse_backend(b) for b in cfg.backends]
-    golden, others = specs[0], specs[1:]
-    if cfg.router_dtype:
-        others = [s if s.router else replace(s, router=cfg.router_dtype) for s in others]
-    if cfg.router_ablation:
-        others = [replace(s, router=r) for s in (others or [golden]) for r in ROUTER_ABLATION]
-    seen, out = set(), []
-    for s in [golden, *others]:
-        if s.label not in seen:
-            seen.add(s.label)
-            out.append(s)
-    return out
+from .backends import BackendSpec, unavailable
+from .backends.reference import fill_old_log_probs
+from .config import ROUTER_ABLATION, AlignConfig, expand_backends, tolerances_for
+from .data import StreamSpec, create_model_dir, get_preset, label_slug, load_batch_dump, make_stream, model_dir_for
+from .job import Job
+from .launch import run_backend
+from .metrics import compare
+from .report import PRECISIONS, SCHEMA_VERSION, json_safe, plot_curves, plot_logp_hist
+from .trace import BackendTrace
 
 
 def precision_class(a: BackendTrace, b: BackendTrace) -> str:
     return min(a.settings["dtype"], b.settings["dtype"], key=PRECISIONS.index)
 
 
-def tolerances_for(cls: str, cfg: AlignConfig) -> dict[str, float]:
-    return {**DEFAULT_TOLERANCES[cls], **dict(cfg.tolerances)}
-
-
-def check_inputs(cfg: AlignConfig, specs: list[ab.BackendSpec]) -> tuple[dict[str, str], list | None]:
+def check_inputs(cfg: AlignConfig, specs: list[BackendSpec]) -> tuple[dict[str, str], list | None]:
     """What `run` checks before it writes or starts anything: the model folder, the batch dump
     (loaded here, so a refused pickle, a bad split or a token id past the vocabulary fails now),
     and that at least two backends can run on this machine (with fewer, no pair is compared and
@@ -237,7 +84,7 @@ def check_inputs(cfg: AlignConfig, specs: list[ab.BackendSpec]) -> tuple[dict[st
         top = max(int(b["input_ids"].max()) for b in dump)
         if top >= vocab:
             raise ValueError(f"batch dump {cfg.batch_dump}: token id {top} >= the model's vocab_size {vocab}")
-    skipped = {s.label: reason for s in specs if (reason := ab.unavailable(s))}
+    skipped = {s.label: reason for s in specs if (reason := unavailable(s))}
     runnable = [s.label for s in specs if s.label not in skipped]
     if len(runnable) < 2:
         why = "; ".join(f"{label} skipped: {reason}" for label, reason in skipped.items())
@@ -259,7 +106,7 @@ def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list
     else:
         spec = cfg.stream or (preset.stream if preset else StreamSpec())
         stream, source = make_stream(spec, hf.vocab_size, cfg.steps, cfg.seed), f"generated (seed {cfg.seed})"
-    ab.fill_old_log_probs(model_dir, stream, cfg.train.temperature)
+    fill_old_log_probs(model_dir, stream, cfg.train.temperature)
     if cfg.old_logprob_noise > 0:
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         for batch in stream:
@@ -289,7 +136,7 @@ def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list
 
 def run(cfg: AlignConfig) -> dict:
     """Run every backend, compare each with the golden, write report.json and the plots."""
-    from .report import environment
+    from ..report import environment
 
     specs = expand_backends(cfg)
     skipped, dump = check_inputs(cfg, specs)
@@ -306,7 +153,7 @@ def run(cfg: AlignConfig) -> dict:
     with _progress(cfg) as progress:
         in_process, launched = [], []
         for spec in specs:
-            world = 1 if spec.name == "reference" else (spec.world or default_world)
+            world = (spec.world or default_world) if spec.backend.launched else 1
             row = {
                 "label": spec.label,
                 "name": spec.name,
@@ -324,22 +171,22 @@ def run(cfg: AlignConfig) -> dict:
             if reason:
                 row.update(status="skipped", reason=reason)
                 continue
-            job = ab.Job(
+            job = Job(
                 backend=spec.label,
-                model_dir=str(ab.model_dir_for(spec, model_dir, out / "models")),
+                model_dir=str(model_dir_for(spec, model_dir, out / "models")),
                 stream_path=str(stream_path),
-                trace_path=str(out / "traces" / f"{_slug(spec.label)}.pt"),
+                trace_path=str(out / "traces" / f"{label_slug(spec.label)}.pt"),
                 train=cfg.train,
                 world_size=world,
             )
             Path(job.trace_path).parent.mkdir(parents=True, exist_ok=True)
-            (in_process if spec.name == "reference" else launched).append((row, job))
+            (launched if spec.backend.launched else in_process).append((row, job))
 
-        def run_one(row: dict, job: ab.Job) -> None:
+        def run_one(row: dict, job: Job) -> None:
             task = progress.add_task(row["label"], total=cfg.steps)
             start = time.perf_counter()
             try:
-                trace = ab.run_backend(job, out / "logs", lambda k: progress.update(task, completed=k))
+                trace = run_backend(job, out / "logs", lambda k: progress.update(task, completed=k))
             except Exception as e:  # reported, and the run fails; other backends still run
                 row.update(status="failed", reason=f"{type(e).__name__}: {e}")
                 return
@@ -349,7 +196,7 @@ def run(cfg: AlignConfig) -> dict:
             row["loss"] = [s.loss for s in trace.steps]
             row["grad_norm"] = [s.grad_norm for s in trace.steps]
 
-        # the in-process reference first: it frees the accelerator memory before workers start
+        # the in-process backend (the reference) first: it frees the accelerator memory before workers start
         for row, job in in_process:
             run_one(row, job)
         with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
@@ -399,10 +246,6 @@ def run(cfg: AlignConfig) -> dict:
     return report
 
 
-def _slug(label: str) -> str:
-    return label.replace(":", "_").replace("=", "-").replace("/", "_")
-
-
 def _config_dict(cfg: AlignConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["tolerances"] = dict(cfg.tolerances)
@@ -431,14 +274,3 @@ def _progress(cfg: AlignConfig):
     if not show:
         return _NoProgress()
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-
-
-def main() -> None:
-    """`python -m verl_moe.tools.align ...`: the same options as `verl-moe align`."""
-    from .cli import app
-
-    app(args=["align", *sys.argv[1:]], prog_name="python -m verl_moe.tools.align")
-
-
-if __name__ == "__main__":
-    main()

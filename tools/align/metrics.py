@@ -1,8 +1,5 @@
-"""Pairwise alignment metrics between two backends' traces, one step or K steps.
+"""Pairwise alignment metrics between two backends' traces (`trace.py`), one step or K steps.
 
-A *trace* is what a backend records per optimizer step (see `StepTrace`): response-token
-log-probs and entropies, the loss, the pre-clip grad norm, a probe of the gradient and of the
-parameters after the update (per parameter group), and each MoE layer's top-k expert ids.
 Every metric compares backend `b` against backend `a`, the golden (the fp64 reference when it
 runs). All arithmetic is fp64.
 
@@ -13,11 +10,10 @@ meaning are in `METRICS`; `first_exceeded` names the first step where each leave
 from __future__ import annotations
 
 import math
-import re
-import zlib
-from dataclasses import dataclass, field
 
 import torch
+
+from .trace import BackendTrace, StepTrace
 
 # name -> ("max" | "min", meaning). A tolerance bounds the value from above ("max") or below ("min").
 METRICS: dict[str, tuple[str, str]] = {
@@ -31,81 +27,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "router_flip_rate": ("max", "share of (token, MoE layer) whose top-k expert set differs"),
     "param_drift": ("max", "||θ_b - θ_a|| / ||θ_a - θ_0|| after the step (parameter probe)"),
 }
-
-# Parameter groups, by the first pattern that matches the HF parameter name.
-PARAM_GROUPS: tuple[tuple[str, str], ...] = (
-    ("router", r"\.mlp\.gate\.weight$"),
-    ("experts", r"\.mlp\.(experts|shared_expert|shared_expert_gate)\."),
-    ("gdn", r"\.linear_attn\."),
-    ("attention", r"\.self_attn\."),
-    ("embeddings", r"(embed_tokens|lm_head)\."),
-)
-OTHER_GROUP = "other"  # norms, dense MLPs
-
-
-def param_group(name: str) -> str:
-    """The group of an HF parameter name: router, experts, gdn, attention, embeddings or other."""
-    for group, pattern in PARAM_GROUPS:
-        if re.search(pattern, name):
-            return group
-    return OTHER_GROUP
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Which coordinates of each parameter are recorded: all of them when the model holds at
-    most `budget` elements, else a deterministic stride (offset from the name's CRC32), so every
-    backend records the same coordinates without sharing state."""
-
-    numels: dict[str, int]
-    budget: int = 4_000_000
-
-    @property
-    def stride(self) -> int:
-        total = sum(self.numels.values())
-        return max(1, math.ceil(total / self.budget))
-
-    def index(self, name: str) -> slice:
-        s = self.stride
-        return slice(zlib.crc32(name.encode()) % s if s > 1 else 0, None, s)
-
-    def take(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per group, the probed coordinates of the named full tensors, concatenated in name order (fp64)."""
-        out: dict[str, list[torch.Tensor]] = {}
-        for name in sorted(named):
-            t = named[name].detach().reshape(-1)[self.index(name)]
-            out.setdefault(param_group(name), []).append(t.to("cpu", torch.float64))
-        return {g: torch.cat(ts) for g, ts in out.items()}
-
-
-@dataclass
-class StepTrace:
-    """What one backend recorded at one optimizer step (all tensors on CPU).
-
-    log_probs, entropy: [NR] fp64, response tokens in batch order. loss, grad_norm: floats.
-    grads, params: group -> probe vector (gradient before clipping; parameters after the update).
-    topk: per MoE layer [NT, TOPK] int64 expert ids of every token, sorted along TOPK.
-    """
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
-    loss: float
-    grad_norm: float
-    grads: dict[str, torch.Tensor]
-    params: dict[str, torch.Tensor]
-    topk: list[torch.Tensor]
-    lr: float = float("nan")
-
-
-@dataclass
-class BackendTrace:
-    """One backend's run: its label, settings, initial parameter probe and per-step records."""
-
-    label: str
-    settings: dict
-    params0: dict[str, torch.Tensor] = field(default_factory=dict)
-    steps: list[StepTrace] = field(default_factory=list)
-    wall_s: float = float("nan")
 
 
 def k3(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What `verl-moe align` shows and writes: the report.json schema, the PNG plots, the terminal table.
 
-`REPORT_SCHEMA` is the JSON Schema of report.json (the fields are listed in `align.py`'s
+`REPORT_SCHEMA` is the JSON Schema of report.json (the fields are listed in `runner.py`'s
 docstring); `validate_report` checks a report against it. Plots use matplotlib's Agg backend.
 """
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .align_metrics import METRICS, BackendTrace, exceeds
+from .metrics import METRICS, exceeds
+from .trace import BackendTrace
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("bf16", "fp32", "fp64")
@@ -318,7 +319,7 @@ def other_pair_rows(pairs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def print_report(report: dict) -> None:
-    from .report import render_table
+    from ..report import render_table
 
     k = report["stream"]["steps"]
     title = (

@@ -1,4 +1,5 @@
-"""Alignment presets (an HF config + random weights from a seed) and the deterministic RL batch stream.
+"""Alignment presets (an HF config + random weights from a seed), the deterministic RL batch stream,
+verl batch dumps, and the verl layouts a backend feeds its model.
 
 A preset names a model family, the HF config fields of a small model and the shape of the batch
 stream. `create_model_dir` writes an HF folder (config.json + safetensors) with weights drawn by
@@ -16,6 +17,8 @@ The stream is a list of verl rollout batches in verl's left/right-padded layout 
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +155,38 @@ def create_model_dir(preset: Preset, seed: int, path: str | Path) -> Path:
     return path
 
 
+def label_slug(label: str) -> str:
+    """A backend label as a file name."""
+    return label.replace(":", "_").replace("=", "-").replace("/", "_")
+
+
+def model_dir_for(spec, model_dir: str | Path, scratch: Path) -> Path:
+    """`model_dir`, or a copy of it whose config.json carries the `BackendSpec`'s `cfg.` overrides
+    (weights linked, not copied)."""
+    if not spec.overrides:
+        return Path(model_dir)
+    src, dst = Path(model_dir), scratch / label_slug(spec.label)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    for path, value in spec.overrides:
+        *parents, leaf = path.split(".")
+        node = config
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                raise ValueError(f"cfg.{path}: {p!r} is not a dict in {src / 'config.json'}")
+            node = node[p]
+        if leaf not in node:
+            raise ValueError(f"cfg.{path}: no field {leaf!r} in {src / 'config.json'}")
+        node[leaf] = json.loads(value)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    return dst
+
+
 def _grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
@@ -161,6 +196,30 @@ def _grpo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_si
     index = np.repeat(np.arange(len(scores) // group_size), group_size)
     advantages, _ = compute_grpo_outcome_advantage(rewards, response_mask.float(), index)
     return advantages
+
+
+def rollout_batch(
+    prompts: torch.Tensor, responses: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """verl's padded rollout layout (what `DataProto.batch` holds after rollout) of token rows.
+
+    prompts: [B, P] int64, the real tokens at the right end (left padding); responses: [B, R] int64,
+    the real tokens first (right padding); prompt_lengths, response_lengths: [B] real tokens per row.
+    Returns prompts, responses (padded slots set to PAD_ID), input_ids [B, P+R], attention_mask
+    [B, P+R], position_ids [B, P+R] (0 on left padding) and response_mask [B, R], all int64."""
+    p, r = prompts.shape[1], responses.shape[1]
+    prompt_mask = torch.arange(p) >= (p - prompt_lengths)[:, None]
+    response_mask = torch.arange(r) < response_lengths[:, None]
+    prompts, responses = prompts.masked_fill(~prompt_mask, PAD_ID), responses.masked_fill(~response_mask, PAD_ID)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0),
+        "response_mask": response_mask.long(),
+    }
 
 
 def make_batch(spec: StreamSpec, vocab_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -183,19 +242,9 @@ def make_batch(spec: StreamSpec, vocab_size: int, generator: torch.Generator) ->
     for i in range(b):
         n = int(r_len[i])
         responses[i, :n] = torch.randint(1, vocab_size, (n,), generator=generator)
-    prompt_mask = torch.arange(p_max) >= (p_max - p_len)[:, None]
-    response_mask = torch.arange(r_max) < r_len[:, None]
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     scores = torch.randn(b, generator=generator)  # continuous rewards: no group has zero advantage
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0),
-        "response_mask": response_mask.long(),
-        "advantages": _grpo_advantages(scores, response_mask, g),
-    }
+    batch = rollout_batch(prompts, responses, p_len, r_len)
+    return {**batch, "advantages": _grpo_advantages(scores, batch["response_mask"], g)}
 
 
 def make_stream(spec: StreamSpec, vocab_size: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -251,7 +300,7 @@ def _read_dump(path: Path, trust_pickle: bool):
             kind = "a torch file holding objects other than tensors" if is_zip else "a pickle (verl's DataProto)"
             raise ValueError(
                 f"batch dump {path} is {kind}: loading it runs code stored in the file; pass --trust-pickle "
-                "if you made or trust it, or re-save it as safetensors (verl_moe.tools.presets.save_batch_dump)"
+                "if you made or trust it, or re-save it as safetensors (verl_moe.tools.align.data.save_batch_dump)"
             ) from None
     import pickle
 
@@ -297,3 +346,24 @@ def load_batch_dump(path: str | Path, steps: int, trust_pickle: bool = False) ->
         raise ValueError(f"{path}: {n} sequences do not split into {steps} equal mini-batches")
     size = n // steps
     return [{k: torch.as_tensor(batch[k])[i * size : (i + 1) * size].clone() for k in keys} for i in range(steps)]
+
+
+def to_verl(batch: dict[str, torch.Tensor], temperature: float, global_batch_size: int):
+    """A padded rollout batch -> verl's no-padding TensorDict (nested input_ids / position_ids / loss_mask)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = tu.get_tensordict(
+        dict(batch), non_tensor_dict={"temperature": temperature, "global_batch_size": global_batch_size}
+    )
+    return left_right_2_no_padding(td)
+
+
+def rank_batch(batch: dict[str, torch.Tensor], step: int, rank: int, world: int, temperature: float):
+    """This rank's contiguous block of a padded batch's rows (as verl dispatches), in verl's
+    no-padding layout; ValueError when the rows do not split evenly over the ranks."""
+    n = batch["input_ids"].shape[0]
+    if n % world:
+        raise ValueError(f"step {step}: {n} sequences do not split over {world} ranks")
+    rows = slice(rank * n // world, (rank + 1) * n // world)
+    return to_verl({key: v[rows] for key, v in batch.items()}, temperature, global_batch_size=n)

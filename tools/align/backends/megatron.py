@@ -1,6 +1,6 @@
 """The `megatron` backend of `verl-moe align`: megatron-core's `GPTModel` with HF weights.
 
-What runs (under torchrun, `align_backends._worker_main` -> `run_megatron_rank`; data parallel over
+What runs (under torchrun, `launch.py`'s worker -> `run_megatron_rank`; data parallel over
 the ranks, world 1 on one GPU):
 
 - Model: `GPTModel` built from megatron-core's *local* layer specs (`get_gpt_decoder_block_spec`
@@ -49,24 +49,17 @@ TransformerEngine + fla specs).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from verl_moe.ops.logprob.reference import logprobs_from_logits_ref
 
-from .align_backends import (
-    BackendSpec,
-    Job,
-    _settings,
-    actor_config,
-    gather_step_outputs,
-    parse_backend,
-    rank_batch,
-    response_values,
-)
-from .align_metrics import BackendTrace, Probe, StepTrace
+from ..data import rank_batch
+from ..job import Job, actor_config
+from ..trace import BackendTrace, Probe, gather_step_outputs, record_steps, response_values
+from .spec import BackendSpec
 
 PAD_TOKEN = 0  # what padded positions hold; their outputs are never read
 MEGATRON_ROUTER_DTYPES = {"fp32": "fp32", "fp64": "fp64", "bf16": None}  # None: the model dtype
@@ -347,12 +340,6 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
-    """logits [T, VOCAB] any float dtype -> (log-prob of labels [T], entropy [T]) in fp32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
 class MegatronRoutingRecorder:
     """Forward hooks on megatron's `TopKRouter`s: each router's routing map ([S*B, E] bool, tokens
     in megatron's sequence-major order) of the last forward, in layer order."""
@@ -459,7 +446,7 @@ def forward_backward(mm: MegatronModel, td, temperature: float, loss_config, dp_
     mm.model.train()
     mm.model.zero_grad_buffer()
     logits = mm.model(rows, positions, causal_mask(rows.shape[1], rows.device))  # [B, S, VOCAB]
-    logp, entropy = logprobs_from_logits(logits[real], torch.roll(tokens, shifts=-1), temperature)
+    logp, entropy = logprobs_from_logits_ref(logits[real].float(), torch.roll(tokens, shifts=-1), temperature)
     del logits
     model_output = {
         "log_probs": torch.nested.nested_tensor_from_jagged(logp, offsets),
@@ -519,7 +506,7 @@ def megatron_optimizer(mm: MegatronModel, train, total_steps: int):
     return optimizer, scheduler
 
 
-def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> BackendTrace | None:
+def train_megatron(job: Job, spec: BackendSpec, progress: Callable[[int], None] | None = None) -> BackendTrace | None:
     """K optimizer steps of megatron's GPTModel on the job's stream, data-parallel over the ranks
     (megatron's parallel state and RNG tracker initialised; tensor/pipeline/expert sizes 1). Each
     batch's rows split in contiguous blocks over the ranks, as verl dispatches. Returns the trace
@@ -528,10 +515,9 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
     from verl_moe.ops import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    spec = parse_backend(job.backend)
     train, dev = job.train, device.current_device()
     mm = build_megatron(job.model_dir, spec.compute_dtype, spec.router_dtype, dev)
-    stream = torch.load(job.stream_path, weights_only=True)  # a list of dicts of tensors
+    stream = job.stream()
     optimizer, scheduler = megatron_optimizer(mm, train, len(stream))
     main = _main_params(optimizer)
     named = dict(mm.gpt.named_parameters())
@@ -539,12 +525,10 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
     def masters() -> dict[str, torch.Tensor]:
         return megatron_to_hf({n: main[id(p)].detach() for n, p in named.items()}, mm.arch)
 
-    params0 = masters()
-    probe = Probe({n: t.numel() for n, t in params0.items()}, budget=train.probe_budget)
-    trace = BackendTrace(label=spec.label, settings=_settings(spec, world), params0=probe.take(params0))
+    probe = Probe({n: t.numel() for n, t in masters().items()}, budget=train.probe_budget)
     loss_config = actor_config(train)
-    start = time.perf_counter()
-    for k, batch in enumerate(stream):
+
+    def train_step(k: int, batch: dict[str, torch.Tensor]) -> dict:
         td = rank_batch(batch, k, rank, world, train.temperature).to(dev)
         optimizer.zero_grad()
         out = forward_backward(mm, td, train.temperature, loss_config, dp_size=world)
@@ -562,26 +546,17 @@ def train_megatron(job: Job, progress: Callable[[int], None] | None = None) -> B
             world,
             dev,
         )
-        if rank == 0:
-            trace.steps.append(
-                StepTrace(
-                    log_probs=log_probs,
-                    entropy=entropy,
-                    loss=loss,
-                    grad_norm=float(grad_norm),
-                    grads=grads,
-                    params=probe.take(masters()),
-                    topk=topk,
-                    lr=lr,
-                )
-            )
-            if progress:
-                progress(k + 1)
-    trace.wall_s = time.perf_counter() - start
-    return trace if rank == 0 else None
+        return dict(
+            log_probs=log_probs, entropy=entropy, loss=loss, grad_norm=float(grad_norm), grads=grads, topk=topk, lr=lr
+        )
+
+    def probe_masters() -> dict[str, torch.Tensor] | None:
+        return probe.take(masters()) if rank == 0 else None  # data parallel: every rank holds the same
+
+    return record_steps(spec.label, spec.settings(world), stream, probe_masters, train_step, progress, rank)
 
 
-def run_megatron_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace | None:
+def run_megatron_rank(job: Job, spec: BackendSpec, progress: Callable[[int], None]) -> BackendTrace | None:
     """One torchrun rank of the megatron backend: process group, megatron's parallel state (data
     parallel over every rank) and CUDA RNG tracker, then `train_megatron`. Trace on rank 0."""
     import torch.distributed as dist
@@ -593,7 +568,7 @@ def run_megatron_rank(job: Job, progress: Callable[[int], None]) -> BackendTrace
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
-        return train_megatron(job, progress)
+        return train_megatron(job, spec, progress)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
