@@ -27,6 +27,7 @@ from .registry import ModelSpec, get_spec
 if TYPE_CHECKING:
     from ..engines.ulysses import UlyssesGroup
     from ..ops.experts.expert_parallel import ExpertParallelGroup
+    from .qwen3_5_moe.vl_model import MoeVisionLM
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,12 @@ class MoeTextModel(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> MoeModelOutput:
-        hidden, residual = self.embed_tokens(input_ids), None
+        # inputs_embeds [B, T, D]: the embeddings to use instead of embed_tokens(input_ids) (the
+        # vision-language model's, with image features at the placeholders)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         cos, sin = self.rotary(position_ids, hidden.dtype)
         router_logits = []
         for layer in self.layers:
@@ -249,12 +254,12 @@ def build(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
-) -> MoeCausalLM:
-    """A freshly initialised MoeCausalLM for an HF config.
+) -> MoeCausalLM | MoeVisionLM:
+    """A freshly initialised MoeCausalLM for an HF config (a MoeVisionLM for a vision-language one).
 
     Args:
-        hf_config: a transformers config of a supported model_type (`qwen3_5_moe_text`,
-            `qwen3_5_moe` (its text part), `qwen3_moe`).
+        hf_config: a transformers config of a supported model_type (`qwen3_5_moe_text`, `qwen3_moe`;
+            `qwen3_5_moe`, the vision-language config, gives the model with its vision tower).
         dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
         ops: implementation choices: an OpsConfig, a mapping of its fields (a Hydra config's
             dict), or None for OpsConfig() (auto everywhere, fp32 router).
@@ -264,6 +269,10 @@ def build(
         TypeError: `ops` is neither an OpsConfig, a mapping nor None.
     """
     spec = get_spec(hf_config.model_type)
+    if spec.vision_arch is not None:  # vision-language config: models/qwen3_5_moe/vl_model.py
+        from .qwen3_5_moe.vl_model import build_vision_lm
+
+        return build_vision_lm(hf_config, spec, dtype, device, ops)
     text_config = spec.text_config(hf_config)
     arch = spec.arch_config(text_config)
     if not dtype.is_floating_point:

@@ -25,7 +25,10 @@ class ModelSpec:
         arch_config: text config -> validated ArchConfig.
         hf_causal_lm: transformers' class with the same parameter names (the numerical reference).
         checkpoint_renames: (old prefix, new prefix) applied to checkpoint keys on load.
-        checkpoint_skips: key prefixes on disk that are not part of the text model (vision tower, MTP).
+        checkpoint_skips: key prefixes on disk that are not part of the model (MTP; the vision tower
+            for the text-only spec).
+        vision_arch: HF config -> validated VisionArch for vision-language specs (`build` then returns
+            the model with its vision tower), None for text-only ones.
     """
 
     family: str
@@ -34,6 +37,7 @@ class ModelSpec:
     hf_causal_lm: str
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_skips: tuple[str, ...] = ()
+    vision_arch: Callable | None = None
 
 
 QWEN3_5_MOE = ModelSpec(
@@ -45,6 +49,17 @@ QWEN3_5_MOE = ModelSpec(
     checkpoint_skips=("model.visual.", "mtp."),
 )
 
+# The vision-language config (`Qwen3_5MoeConfig`, model_type qwen3_5_moe): vision tower + text decoder,
+# checkpoint names as on disk (`model.visual.*`, `model.language_model.*`).
+QWEN3_5_MOE_VL = ModelSpec(
+    family="qwen3_5_moe",
+    text_config=qwen3_5_moe_config.text_config,
+    arch_config=qwen3_5_moe_config.arch_config,
+    hf_causal_lm="Qwen3_5MoeForConditionalGeneration",
+    checkpoint_skips=("mtp.",),
+    vision_arch=qwen3_5_moe_config.vision_arch,
+)
+
 QWEN3_MOE = ModelSpec(
     family="qwen3_moe",
     text_config=qwen3_moe_config.text_config,
@@ -54,7 +69,7 @@ QWEN3_MOE = ModelSpec(
 
 SPECS: dict[str, ModelSpec] = {
     "qwen3_5_moe_text": QWEN3_5_MOE,
-    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_5_moe": QWEN3_5_MOE_VL,
     "qwen3_moe": QWEN3_MOE,
 }
 

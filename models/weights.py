@@ -6,8 +6,10 @@ On disk (local HF folder: config.json + *.safetensors, one file or sharded with 
   [E, 2I, D], `mlp.experts.down_proj` [E, D, I], the in-memory layout). Per-expert tensors are
   merged like transformers' conversion mapping: gate_up_proj[e] = cat(gate_proj[e], up_proj[e])
   along rows.
-- Qwen3.5 vision-language checkpoints prefix the text model with `model.language_model.`; it is
-  renamed to `model.`, and `model.visual.*` / `mtp.*` tensors are skipped (one log line).
+- Qwen3.5 vision-language checkpoints (`model.visual.*`, `model.language_model.*`, `lm_head`) load
+  into the vision-language model (`MoeVisionLM`) under their own names, nothing skipped but the
+  `mtp.*` tensors (one log line), and save in that layout. A text-only config's model renames a
+  `model.language_model.` prefix to `model.` and skips `model.visual.*` / `mtp.*`.
 Loading is strict: a missing, unexpected, mis-shaped or twice-stored tensor, or an unreadable
 file, raises ValueError naming it. Files are picked as transformers picks them in a local folder:
 `model.safetensors` when present, else `model.safetensors.index.json` and the shards it names.
@@ -32,11 +34,13 @@ from torch import nn
 
 from .causal_lm import MoeCausalLM, build
 from .ops_config import OpsConfig
+from .qwen3_5_moe.vl_model import MoeVisionLM
 from .registry import ModelSpec, get_spec
 
 logger = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_VL_PREFIXES = ("model.language_model.", "model.visual.")
 _FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -76,7 +80,7 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 
 
 def _normalise_key(key: str, spec: ModelSpec) -> str | None:
-    """The model's name for a checkpoint key, or None for a tensor outside the text model."""
+    """The model's name for a checkpoint key, or None for a tensor outside the model."""
     if key.startswith(spec.checkpoint_skips):
         return None
     for old, new in spec.checkpoint_renames:
@@ -85,7 +89,7 @@ def _normalise_key(key: str, spec: ModelSpec) -> str | None:
     return key
 
 
-def load_checkpoint(model: MoeCausalLM, path: str | os.PathLike) -> None:
+def load_checkpoint(model: MoeCausalLM | MoeVisionLM, path: str | os.PathLike) -> None:
     """Copy every tensor of the HF folder `path` into `model` (cast to its dtype and device), strictly.
 
     Raises:
@@ -143,7 +147,7 @@ def load_checkpoint(model: MoeCausalLM, path: str | os.PathLike) -> None:
         raise ValueError(f"incomplete per-expert tensors (expected {num_experts} of each): {counts}")
     if skipped:
         logger.info(
-            "verl_moe: skipped %d checkpoint tensors outside the text model or tied (%s)",
+            "verl_moe: skipped %d checkpoint tensors outside the model or tied (%s)",
             len(skipped),
             ", ".join(sorted({k.split(".")[0] + "." + k.split(".")[1] for k in skipped})),
         )
@@ -200,7 +204,7 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
-) -> MoeCausalLM:
+) -> MoeCausalLM | MoeVisionLM:
     """Build the model of a local HF folder and load its weights (strict; see module docstring).
     Parameters are allocated once on `device` (no random init of what the checkpoint overwrites).
 
@@ -219,7 +223,9 @@ def from_pretrained(
     model = build(hf_config, dtype=dtype, device="meta", ops=ops)
     checkpoint_files(root)  # a folder without weights fails before any allocation
     model.to_empty(device=torch.device(device))
-    if model.arch.tie_word_embeddings:
+    if isinstance(model, MoeVisionLM):
+        model.tie_weights()
+    elif model.arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_checkpoint(model, path)
     return model
@@ -258,9 +264,11 @@ def _split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
         yield slot_name, per_slot[s]
 
 
-def save_pretrained(model: MoeCausalLM, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:
-    """Write config.json (the text config, dtype set to the model's; a model built from a vision-language
-    config is saved as its text part, model_type `qwen3_5_moe_text`) and safetensors (sharded with an
+def save_pretrained(
+    model: MoeCausalLM | MoeVisionLM, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3
+) -> None:
+    """Write config.json (the model's config, dtype set to the model's: the text config for a
+    MoeCausalLM, the vision-language config for a MoeVisionLM) and safetensors (sharded with an
     index above `max_shard_bytes`) that transformers' `from_pretrained` loads into an identical model.
     Experts are written per expert (the layout of real checkpoints and of transformers' own save);
     a tied lm_head is not written. Weight files already in the folder (safetensors, their index,
@@ -315,19 +323,20 @@ def to_vllm_named_tensors(
     ties it itself); given pairs (e.g. full tensors gathered from a sharded model) all pass.
 
     Args:
-        model_or_named_tensors: a MoeCausalLM, or an iterable of (transformers name, tensor).
+        model_or_named_tensors: a MoeCausalLM or MoeVisionLM, or an iterable of (transformers name, tensor).
         language_model_prefix: rename `model.` to `model.language_model.` (the checkpoint names of
-            the vision-language Qwen3.5-MoE, for a vLLM engine serving that class).
+            the vision-language Qwen3.5-MoE, for a vLLM engine serving that class); names that are
+            already vision-language ones (`model.language_model.*`, `model.visual.*`) stay.
     """
     if isinstance(model_or_named_tensors, nn.Module):
         model = model_or_named_tensors
-        tied = isinstance(model, MoeCausalLM) and model.arch.tie_word_embeddings
+        tied = isinstance(model, MoeCausalLM | MoeVisionLM) and model.arch.tie_word_embeddings
         pairs = ((n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight"))
     else:
         pairs = iter(model_or_named_tensors)
     for name, tensor in pairs:
         for key, t in _split_experts(name, tensor):
-            if language_model_prefix and key.startswith("model."):
+            if language_model_prefix and key.startswith("model.") and not key.startswith(_VL_PREFIXES):
                 key = "model.language_model." + key[len("model.") :]
             yield key, t
 

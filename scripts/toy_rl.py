@@ -1,13 +1,16 @@
 """Toy inputs for verl's `main_ppo` on CPU: a byte-level tokenizer, a tiny Qwen3.5-MoE, parquet files
 and the rule rewards, all made from nothing (no download).
 
-    python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S]
-    python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [HYDRA_OVERRIDE ...]
+    python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S] [--model-size tiny|reduced]
+    python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [--platform cpu|gpu_single] [HYDRA_OVERRIDE ...]
 
 `data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template) and
 OUT/data/{train,val}.parquet in verl's RLHF format (`prompt` as chat messages, `data_source`,
 `reward_model.ground_truth`); `train` runs verl's main_ppo on them with VERL_PLATFORM=cpu, the
-metrics in OUT/<recipe>.jsonl (verl's file logger). Tasks:
+metrics in OUT/<recipe>.jsonl (verl's file logger). `--model-size reduced` writes the benchmarks'
+reduced Qwen3.5-MoE instead (`reduced_config`: 4 layers, bf16, on the GPU when there is one) and
+`--platform gpu_single` runs on one GPU (`platform=gpu_single`, VERL_PLATFORM left unset):
+`scripts/device/grpo_h200.sh`. Tasks:
 
 - `arith` (default): "a+b=" questions, ground truth the sum; reward 1 for a response that starts
   with the sum, else the share of its characters that are ASCII digits (partial credit for
@@ -85,13 +88,41 @@ def tiny_config():
     )  # fmt: skip
 
 
-def write_model(path: str, seed: int = 0) -> None:
-    """A randomly initialised tiny Qwen3.5-MoE in fp32 with the tokenizer beside it."""
+# The reduced model's vocabulary: the tokenizer's 259 tokens padded to a multiple of 64 (aligned
+# lm_head rows; ids past the tokenizer decode to nothing, as in real checkpoints' padded vocabularies).
+REDUCED_VOCAB_SIZE = 320
+
+
+def reduced_config(layers: int = 4):
+    """The benchmarks' reduced Qwen3.5-MoE (`verl_moe.models.bench.reduced_config`: hidden 2048,
+    Qwen3.5-35B-A3B's attention and GatedDeltaNet shapes, 64 experts top-8, one full-attention layer
+    in four) with `layers` layers and the byte vocabulary's special-token ids."""
+    from verl_moe.models.bench import reduced_config as bench_config
+
+    config = bench_config(layers)
+    config.vocab_size = REDUCED_VOCAB_SIZE
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 256, 257, 258
+    return config
+
+
+MODEL_SIZES = ("tiny", "reduced")
+
+
+def write_model(path: str, seed: int = 0, size: str = "tiny") -> None:
+    """A randomly initialised Qwen3.5-MoE with the tokenizer beside it: `tiny` in fp32 (built on the
+    CPU), `reduced` in bf16 (built on the GPU when there is one)."""
     import torch
     import verl_moe.models as vm
 
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model size {size!r}: expected one of {list(MODEL_SIZES)}")
     torch.manual_seed(seed)
-    vm.save_pretrained(vm.build(tiny_config()), path)
+    if size == "tiny":
+        model = vm.build(tiny_config())
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = vm.build(reduced_config(), dtype=torch.bfloat16, device=device)
+    vm.save_pretrained(model, path)
     write_tokenizer(path)
 
 
@@ -147,14 +178,17 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return sum(ch.isascii() and ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
 
 
-def make(out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0) -> dict[str, str]:
-    """Write model + tokenizer and the two parquet files under `out`; returns their paths."""
+def make(
+    out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0, size: str = "tiny"
+) -> dict[str, str]:
+    """Write model (`size`: tiny or reduced) + tokenizer and the two parquet files under `out`;
+    returns their paths."""
     paths = {
         "model": os.path.join(out, "model"),
         "train": os.path.join(out, "data", "train.parquet"),
         "val": os.path.join(out, "data", "val.parquet"),
     }
-    write_model(paths["model"], seed)
+    write_model(paths["model"], seed, size)
     write_parquet(paths["train"], task, train, seed)
     write_parquet(paths["val"], task, val, seed + 1)
     return paths
@@ -179,15 +213,21 @@ def main_ppo_command(recipe: str, paths: dict[str, str], steps: int, overrides: 
     ]  # fmt: skip
 
 
-def main_ppo_env(metrics_file: str) -> dict[str, str]:
-    """The environment of a CPU run: verl's cpu platform, the JSONL metrics file (`verl-moe curves`
-    reads it), Ray's token authentication off (a local, single-user cluster)."""
-    return dict(
+PLATFORMS = ("cpu", "gpu_single")
+
+
+def main_ppo_env(metrics_file: str, platform: str = "cpu") -> dict[str, str]:
+    """The environment of a run: verl's cpu platform on `cpu` (verl detects the GPU otherwise), the
+    JSONL metrics file (`verl-moe curves` reads it), Ray's token authentication off (a local,
+    single-user cluster)."""
+    env = dict(
         os.environ,
-        VERL_PLATFORM="cpu",
         VERL_FILE_LOGGER_PATH=os.path.abspath(metrics_file),
         RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"),
     )
+    if platform == "cpu":
+        env["VERL_PLATFORM"] = "cpu"
+    return env
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,15 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--train", type=int, default=64)
     data.add_argument("--val", type=int, default=8)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--model-size", default="tiny", choices=MODEL_SIZES)
     train = sub.add_parser("train", help="run main_ppo on OUT's files; metrics in OUT/<recipe>.jsonl")
     train.add_argument("out")
     train.add_argument("--recipe", default="tiny_cpu")
     train.add_argument("--steps", type=int, default=20)
+    train.add_argument("--platform", default="cpu", choices=PLATFORMS, help="configs/platform (gpu_single: 1 GPU)")
     args, overrides = parser.parse_known_args(argv)
     if overrides and (args.command != "train" or any("=" not in o for o in overrides)):
         parser.error(f"unrecognized arguments: {' '.join(overrides)} (train takes Hydra overrides key=value)")
     if args.command == "data":
-        print(json.dumps(make(args.out, args.task, args.train, args.val, args.seed), indent=1))
+        print(json.dumps(make(args.out, args.task, args.train, args.val, args.seed, args.model_size), indent=1))
         return
     out = os.path.abspath(args.out)  # main_ppo runs in `out`: relative paths would resolve there
     paths = {
@@ -218,10 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     for path in paths.values():
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: run `python scripts/toy_rl.py data {args.out}` first")
+    if args.platform != "cpu":
+        overrides = [f"platform={args.platform}", *overrides]
     command = main_ppo_command(args.recipe, paths, args.steps, overrides)
     metrics = os.path.join(out, f"{args.recipe}.jsonl")
     print(" ".join(command), flush=True)
-    sys.exit(subprocess.call(command, env=main_ppo_env(metrics), cwd=out))
+    sys.exit(subprocess.call(command, env=main_ppo_env(metrics, args.platform), cwd=out))
 
 
 if __name__ == "__main__":

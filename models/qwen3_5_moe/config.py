@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE: read transformers' `Qwen3_5MoeTextConfig` into an `ArchConfig`.
+"""Qwen3.5-MoE: read transformers' `Qwen3_5MoeTextConfig` into an `ArchConfig` and, for the
+vision-language `Qwen3_5MoeConfig`, its vision_config into a `VisionArch`.
 
 What transformers does that this mirrors: RMSNorms use (1 + weight); attention has a sigmoid
 output gate; rotary is interleaved mRoPE on the first `partial_rotary_factor` of each head
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from ..arch import ArchConfig
 from ..hf_config import check_common, rope_parameters
+from .vision import VisionArch
 
 
 def text_config(hf_config):
@@ -66,4 +68,37 @@ def arch_config(cfg) -> ArchConfig:
         linear_key_head_dim=cfg.linear_key_head_dim,
         linear_value_head_dim=cfg.linear_value_head_dim,
         linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+    )
+
+
+def vision_arch(hf_config) -> VisionArch:
+    """VisionArch of a vision-language `qwen3_5_moe` config (its vision_config and placeholder ids).
+    Raises ValueError on what we do not support, or a merger width other than the text hidden size."""
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None:
+        raise ValueError("qwen3_5_moe config has no vision_config")
+    for name in ("patch_size", "temporal_patch_size"):
+        if not isinstance(getattr(vision, name), int):
+            raise ValueError(f"vision_config.{name} must be one int, got {getattr(vision, name)!r}")
+    text_hidden = hf_config.text_config.hidden_size
+    if vision.out_hidden_size != text_hidden:
+        raise ValueError(
+            f"vision_config.out_hidden_size={vision.out_hidden_size} must equal text_config.hidden_size={text_hidden} "
+            "(image features replace token embeddings)"
+        )
+    return VisionArch(
+        depth=vision.depth,
+        hidden_size=vision.hidden_size,
+        intermediate_size=vision.intermediate_size,
+        num_heads=vision.num_heads,
+        in_channels=vision.in_channels,
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        spatial_merge_size=vision.spatial_merge_size,
+        out_hidden_size=vision.out_hidden_size,
+        num_position_embeddings=vision.num_position_embeddings,
+        hidden_act=vision.hidden_act,
+        initializer_range=vision.initializer_range,
+        image_token_id=hf_config.image_token_id,
+        video_token_id=hf_config.video_token_id,
     )

@@ -1,6 +1,7 @@
 """Causal grouped-query attention over packed sequences (Qwen3.5 / Qwen3-MoE full-attention layers).
 
-The dispatched `attention` callable is `causal_attention_ref`'s contract.
+The dispatched `attention` callable is `causal_attention_ref`'s contract; `causal=False` (the vision
+tower's attention over each image's patches) drops the causal mask inside each packed sequence.
 """
 
 from .. import device
@@ -18,10 +19,10 @@ IMPLS = {
 ACCELERATOR_DEFAULT = "varlen" if device.device_type() == "cuda" else "torch"
 
 
-def causal_attention(q, k, v, scale=None, cu_seqlens=None, impl: str | None = None):
-    """Causal attention through the implementation `resolve("attention", impl)` picks; arguments and
-    returns as `causal_attention_ref`."""
-    return resolve("attention", impl)(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+def causal_attention(q, k, v, scale=None, cu_seqlens=None, causal: bool = True, impl: str | None = None):
+    """Causal attention (bidirectional within each sequence with causal=False) through the
+    implementation `resolve("attention", impl)` picks; arguments and returns as `causal_attention_ref`."""
+    return resolve("attention", impl)(q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal)
 
 
 __all__ = ["ACCELERATOR_DEFAULT", "IMPLS", "causal_attention", "causal_attention_ref"]

@@ -28,27 +28,30 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-def _make_block_mask(doc: torch.Tensor):
-    """Block mask of causal attention within the sequences `doc` [T] (sequence index per token) marks."""
+def _make_block_mask(doc: torch.Tensor, causal: bool = True):
+    """Block mask of (causal) attention within the sequences `doc` [T] (sequence index per token) marks."""
 
     def same_sequence_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
+    def same_sequence(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
     T = doc.numel()
     # compiled on accelerators: eagerly, the mask is first materialised as [T, T] (gigabytes at 32K tokens)
     make = create_block_mask if doc.device.type == "cpu" else _compiled(create_block_mask)
-    return make(same_sequence_causal, None, None, T, T, device=doc.device)
+    return make(same_sequence_causal if causal else same_sequence, None, None, T, T, device=doc.device)
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(T: int, device: torch.device):
-    return _make_block_mask(torch.zeros(T, dtype=torch.int32, device=device))
+def _causal_block_mask(T: int, device: torch.device, causal: bool = True):
+    return _make_block_mask(torch.zeros(T, dtype=torch.int32, device=device), causal)
 
 
-def _block_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
+def _block_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device, causal: bool = True):
     if cu_seqlens is None:
-        return _causal_block_mask(T, device)
-    key = (id(cu_seqlens), T, str(device))
+        return _causal_block_mask(T, device, causal)
+    key = (id(cu_seqlens), T, str(device), causal)
     seen = _MASKS.get(key)
     cacheable = not cu_seqlens.is_inference()  # inference tensors have no version counter
     if cacheable and seen is not None and seen[0]() is cu_seqlens and seen[1] == cu_seqlens._version:
@@ -56,7 +59,7 @@ def _block_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     cu = cu_seqlens.to(device=device)
     lengths = cu[1:] - cu[:-1]
     ids = torch.arange(lengths.numel(), dtype=torch.int32, device=device)
-    mask = _make_block_mask(torch.repeat_interleave(ids, lengths, output_size=T))
+    mask = _make_block_mask(torch.repeat_interleave(ids, lengths, output_size=T), causal)
     if cacheable:
         if len(_MASKS) >= 8:
             _MASKS.clear()
@@ -70,6 +73,7 @@ def causal_attention_flex(
     v: torch.Tensor,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal GQA attention through FlexAttention (`causal_attention_ref`'s contract).
 
@@ -77,6 +81,7 @@ def causal_attention_flex(
         q: [B, T, H, K]; k: [B, T, HKV, K]; v: [B, T, HKV, V], H a multiple of HKV; any float dtype.
         scale: softmax scale, default K ** -0.5.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1).
+        causal: False: every token of a sequence sees the whole sequence.
     Returns:
         o: [B, T, H, V] in q's dtype.
     Raises:
@@ -89,7 +94,7 @@ def causal_attention_flex(
         raise ValueError("flex attention has no CPU backward in torch: use impl 'torch' for training on CPU")
     if q.numel() == 0:
         return q.new_empty(*q.shape[:3], v.shape[-1])
-    mask = _block_mask(cu_seqlens, T, q.device)
+    mask = _block_mask(cu_seqlens, T, q.device, causal)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     options = {"block_mask": mask, "scale": scale, "enable_gqa": H != k.shape[2]}
     if not on_cpu:

@@ -1,7 +1,8 @@
 """Causal grouped-query attention over packed sequences: SDPA run once per sequence.
 
 With `cu_seqlens` (B == 1) each packed sequence attends only to itself, causally; without it
-every batch row is one causal sequence. The math is SDPA's in the input dtype (so fp64 inputs
+every batch row is one causal sequence. `causal=False` lifts the causal mask inside each sequence
+(the vision tower's attention over the patches of one image). The math is SDPA's in the input dtype (so fp64 inputs
 give an fp64 golden); transformers' eager path is the same up to fp32 rounding.
 """
 
@@ -41,6 +42,7 @@ def causal_attention_ref(
     v: torch.Tensor,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal GQA attention (the dispatched `attention` op).
 
@@ -49,6 +51,7 @@ def causal_attention_ref(
             reads key/value head h // (H // HKV)).
         scale: softmax scale, default K ** -0.5.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1).
+        causal: False: every token of a sequence sees the whole sequence.
     Returns:
         o: [B, T, H, V] in q's dtype.
     Raises:
@@ -64,6 +67,6 @@ def causal_attention_ref(
     out = []
     for s, e in seq_bounds(cu_seqlens, T):
         out.append(
-            F.scaled_dot_product_attention(qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=True, scale=scale)
+            F.scaled_dot_product_attention(qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=causal, scale=scale)
         )
     return torch.cat(out, dim=2).transpose(1, 2)

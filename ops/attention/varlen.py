@@ -38,6 +38,7 @@ NPU_MASK_SIZE = 2048  # npu_fusion_attention's compressed causal mask for sparse
 class FlashOptions:
     max_len: int  # longest packed sequence
     scale: float
+    causal: bool = True
 
 
 def flash_unavailable() -> str | None:
@@ -56,7 +57,7 @@ class FlashVarlenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, opts: FlashOptions):
         n = opts.max_len
         out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, n, n, 0.0, True, False, scale=opts.scale
+            q, k, v, cu_seqlens, cu_seqlens, n, n, 0.0, opts.causal, False, scale=opts.scale
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
         ctx.opts = opts
@@ -67,7 +68,7 @@ class FlashVarlenFunction(torch.autograd.Function):
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
         n = ctx.opts.max_len
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            do.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, seed, offset, scale=ctx.opts.scale
+            do.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, ctx.opts.causal, seed, offset, scale=ctx.opts.scale
         )
         return dq, dk, dv, None, None
 
@@ -106,6 +107,7 @@ def causal_attention_varlen(
     v: torch.Tensor,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal GQA attention, every packed sequence in one kernel call (`causal_attention_ref`'s contract).
 
@@ -116,11 +118,12 @@ def causal_attention_varlen(
         scale: softmax scale, default K ** -0.5.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1); without it each
             batch row is one sequence.
+        causal: False: every token of a sequence sees the whole sequence (cuda only).
     Returns:
         o: [B, T, H, K] in q's dtype.
     Raises:
         ValueError: bad shapes/dtypes/cu_seqlens, a dtype or head dim flash attention does not take,
-            a device other than cuda/npu, or a torch without flash attention.
+            a device other than cuda/npu, non-causal on npu, or a torch without flash attention.
     """
     check_attention_inputs(q, k, v, cu_seqlens)
     B, T, H, K = q.shape
@@ -129,6 +132,8 @@ def causal_attention_varlen(
     kind = q.device.type
     if kind not in ("cuda", "npu"):
         raise ValueError(f"varlen attention runs on cuda (flash attention) or npu, got {kind}; use impl 'torch'")
+    if kind == "npu" and not causal:
+        raise ValueError("varlen attention on npu is causal only (sparse_mode 3); use impl 'torch' for causal=False")
     if kind == "cuda":
         if q.dtype not in FLASH_DTYPES:
             raise ValueError(f"flash attention takes float16/bfloat16, got {q.dtype}; use impl 'torch' or 'flex'")
@@ -147,10 +152,10 @@ def causal_attention_varlen(
         return _npu_varlen(q3, k3, v3, offsets[1:], scale).reshape(B, T, H, K)
     max_len = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     if offsets[-1] >= LONG_SEQUENCE * (len(offsets) - 1):
-        return causal_attention_ref(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+        return causal_attention_ref(q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal)
     if cu_seqlens is None:  # built on the device: a host tensor's copy would wait for queued work
         cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = FlashVarlenFunction.apply(q3, k3, v3, cu, FlashOptions(max_len, scale))
+    out = FlashVarlenFunction.apply(q3, k3, v3, cu, FlashOptions(max_len, scale, causal))
     return out.view(B, T, H, K)

@@ -8,17 +8,22 @@ from tiny_models import tiny_qwen3_5_moe_text, tiny_qwen3_5_moe_vl, tiny_qwen3_m
 
 
 def test_supported_model_types():
-    assert vm.get_spec("qwen3_5_moe_text") is vm.get_spec("qwen3_5_moe")
-    assert vm.get_spec("qwen3_5_moe").family == "qwen3_5_moe"
+    assert vm.get_spec("qwen3_5_moe_text").family == vm.get_spec("qwen3_5_moe").family == "qwen3_5_moe"
+    assert vm.get_spec("qwen3_5_moe_text").vision_arch is None and vm.get_spec("qwen3_5_moe").vision_arch is not None
     assert vm.get_spec("qwen3_moe").family == "qwen3_moe"
     with pytest.raises(ValueError, match=r"supported: \['qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_moe'\]"):
         vm.get_spec("llama")
 
 
-def test_vl_config_builds_the_text_model():
+def test_vl_config_builds_the_vision_language_model():
     text, vl = vm.build(tiny_qwen3_5_moe_text()), vm.build(tiny_qwen3_5_moe_vl())
-    assert vl.config.model_type == "qwen3_5_moe_text"
-    assert {k: v.shape for k, v in vl.state_dict().items()} == {k: v.shape for k, v in text.state_dict().items()}
+    assert isinstance(vl, vm.MoeVisionLM) and vl.config.model_type == "qwen3_5_moe"
+    language = {
+        k.replace("model.language_model.", "model."): v.shape
+        for k, v in vl.state_dict().items()
+        if not k.startswith("model.visual.")
+    }
+    assert language == {k: v.shape for k, v in text.state_dict().items()}
     names = set(text.state_dict())
     for name in (
         "model.embed_tokens.weight",

@@ -71,21 +71,16 @@ def test_sharded_fused_bf16_checkpoint(tmp_path):
     assert_same_state(loaded.state_dict(), {k: v.float() for k, v in model.state_dict().items()})
 
 
-def test_vision_language_layout_loads_text_part(tmp_path, caplog):
+def test_vision_language_layout_loads_everything(tmp_path, caplog):
     config = tiny_qwen3_5_moe_vl()
     hf = transformers.Qwen3_5MoeForConditionalGeneration(config)
     hf.save_pretrained(tmp_path)
     assert any(k.startswith("model.visual.") for k in saved_keys(tmp_path))
     with caplog.at_level("INFO", logger="verl_moe.models.weights"):
         model = vm.from_pretrained(tmp_path)
-    assert sum("outside the text model" in r.message for r in caplog.records) == 1
-    assert model.config.model_type == "qwen3_5_moe_text"
-    expected = {
-        k.replace("model.language_model.", "model."): v
-        for k, v in hf.state_dict().items()
-        if not k.startswith("model.visual.")
-    }
-    assert_same_state(model.state_dict(), expected)
+    assert not any("skipped" in r.message for r in caplog.records)
+    assert model.config.model_type == "qwen3_5_moe"
+    assert_same_state(model.state_dict(), hf.state_dict())
 
 
 def test_strict_loading(tmp_path):

@@ -1,0 +1,175 @@
+"""Qwen3.5-MoE vision-language model: the vision tower beside the text decoder, image and video
+features placed at their placeholder tokens (transformers' `Qwen3_5MoeForConditionalGeneration`).
+
+Module tree and parameter names equal transformers': `model.visual.*` (vision.py),
+`model.language_model.{embed_tokens, layers, norm}` (the shared text decoder of causal_lm.py),
+`lm_head`. Position ids for images come from `MoeVisionLM.rope_index` (rope_index.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..arch import ArchConfig
+from ..causal_lm import MoeCausalLM, MoeModelOutput, MoeTextModel, resolve_ops
+from ..layers import MoeBlock, ResolvedOps
+from ..ops_config import OpsConfig
+from ..registry import ModelSpec
+from .rope_index import mrope_position_ids
+from .vision import VisionArch, VisionModel
+
+
+class VisionLanguageModel(nn.Module):
+    """transformers' `model.`: the vision tower `visual` and the text decoder `language_model`."""
+
+    def __init__(self, arch: ArchConfig, vision: VisionArch, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        self.visual = VisionModel(vision, ops, factory)
+        self.language_model = MoeTextModel(arch, ops, factory)
+
+
+class MoeVisionLM(nn.Module):
+    """Qwen3.5-MoE with its vision tower, on verl_moe ops.
+
+    forward(input_ids [B, T] long, position_ids [B, T] or [3, B, T] long (see `rope_index`),
+    cu_seqlens [N+1] int or None, pixel_values [P, C*TP*PS*PS] float or None, image_grid_thw [N_img, 3]
+    int or None, pixel_values_videos / video_grid_thw the same for videos, output_router_logits=False)
+    -> MoeModelOutput (final hidden states [B, T, D] after the norm, as `MoeCausalLM`). The images of
+    the whole batch (rows in order, or the packed sequences of one row in order) arrive together;
+    their features replace the image placeholder tokens in reading order. Logits only on request:
+    `model.logits(hidden)`.
+    """
+
+    def __init__(
+        self, hf_config, spec: ModelSpec, arch: ArchConfig, vision: VisionArch, ops: ResolvedOps, factory: dict
+    ):
+        super().__init__()
+        self.config, self.spec, self.arch, self.vision = hf_config, spec, arch, vision
+        self.model = VisionLanguageModel(arch, vision, ops, factory)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        self.sequence_parallel = None
+
+    # The text decoder's switches and input checks are MoeCausalLM's (they walk this module tree).
+    set_sequence_parallel = MoeCausalLM.set_sequence_parallel
+    set_expert_parallel = MoeCausalLM.set_expert_parallel
+    check_inputs = MoeCausalLM.check_inputs
+    logits = MoeCausalLM.logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        output_router_logits: bool = False,
+    ) -> MoeModelOutput:
+        """See the class docstring. Raises ValueError on bad inputs (see `check_inputs`), a grid that
+        does not match its pixel patches, or placeholder tokens that do not match the features (both
+        counts named); images under sequence parallelism are not supported yet."""
+        self.check_inputs(input_ids, position_ids, cu_seqlens)
+        if self.sequence_parallel is not None and (pixel_values is not None or pixel_values_videos is not None):
+            raise ValueError("images or videos under sequence parallelism are not supported yet")
+        lm = self.model.language_model
+        embeds = lm.embed_tokens(input_ids)
+        v = self.vision
+        embeds = self._place(embeds, input_ids, pixel_values, image_grid_thw, v.image_token_id, "image")
+        embeds = self._place(embeds, input_ids, pixel_values_videos, video_grid_thw, v.video_token_id, "video")
+        return lm(input_ids, position_ids, cu_seqlens, output_router_logits, inputs_embeds=embeds)
+
+    def _place(self, embeds, input_ids, pixels, grid_thw, token_id: int, what: str) -> torch.Tensor:
+        """embeds [B, T, D] with the tower's features of `pixels` at the `token_id` placeholders."""
+        mask = input_ids == token_id
+        if pixels is None:
+            if grid_thw is not None:
+                raise ValueError(f"{what}_grid_thw was given without {what} pixel values")
+            placeholders = int(mask.sum())
+            if placeholders:
+                raise ValueError(f"{placeholders} {what} placeholder tokens (id {token_id}) but 0 {what} features")
+            return embeds
+        features = self.model.visual(pixels, grid_thw, what)
+        placeholders = int(mask.sum())
+        if placeholders != features.shape[0]:
+            raise ValueError(
+                f"{placeholders} {what} placeholder tokens (id {token_id}) but {features.shape[0]} {what} features "
+                f"from {what}_grid_thw {grid_thw.tolist()}"
+            )
+        return embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
+
+    def rope_index(
+        self,
+        input_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position_ids [3, B, T], rope_deltas [S, 1]) for this model's placeholder ids and merge size;
+        see `rope_index.mrope_position_ids`."""
+        v = self.vision
+        return mrope_position_ids(
+            input_ids,
+            v.image_token_id,
+            v.video_token_id,
+            v.spatial_merge_size,
+            image_grid_thw,
+            video_grid_thw,
+            cu_seqlens=cu_seqlens,
+            attention_mask=attention_mask,
+        )
+
+    def tie_weights(self) -> None:
+        """Point a tied lm_head at the embedding again (after `to_empty`)."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+
+def init_weights(model: MoeVisionLM) -> None:
+    """transformers-like init: normal(0, std) for projections, embeddings, convolutions, router and experts
+    (the text config's std for the decoder and lm_head, the vision config's for the tower); zero biases;
+    LayerNorms, RMSNorms and GatedDeltaNet gates keep their own reset."""
+    groups = (
+        (model.arch.initializer_range, [*model.model.language_model.modules(), model.lm_head]),
+        (model.vision.initializer_range, list(model.model.visual.modules())),
+    )
+    with torch.no_grad():
+        for std, modules in groups:
+            for module in modules:
+                if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | nn.Conv3d):
+                    nn.init.normal_(module.weight, 0.0, std)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, MoeBlock):
+                    nn.init.normal_(module.gate.weight, 0.0, std)
+                    nn.init.normal_(module.experts.gate_up_proj, 0.0, std)
+                    nn.init.normal_(module.experts.down_proj, 0.0, std)
+        # After the loop: a tied lm_head (visited last in its group) re-initialises the shared embedding.
+        embed = model.model.language_model.embed_tokens
+        if embed.padding_idx is not None:
+            embed.weight[embed.padding_idx].zero_()
+
+
+def build_vision_lm(
+    hf_config,
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: OpsConfig | Mapping | None = None,
+) -> MoeVisionLM:
+    """A freshly initialised MoeVisionLM for a vision-language config (what `verl_moe.models.build`
+    returns for one). Raises ValueError on an unsupported config or op choice."""
+    arch = spec.arch_config(spec.text_config(hf_config))
+    vision = spec.vision_arch(hf_config)
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be floating point, got {dtype}")
+    resolved = resolve_ops(OpsConfig.coerce(ops), arch, dtype)
+    model = MoeVisionLM(hf_config, spec, arch, vision, resolved, {"dtype": dtype, "device": torch.device(device)})
+    init_weights(model)
+    return model
