@@ -90,6 +90,10 @@ def mm_token_types(ids):
 
 @pytest.fixture(scope="module")
 def pair():
+    # Module fixtures run before the autouse per-test seed: seed here, so the weights do not depend on
+    # which tests ran first. (Some weight draws are ill-conditioned in fp32: one of 8 seeds gave A_log
+    # gradients 2.5e-4 (ours) and 3.1e-4 (transformers) from our fp64 model, so 1e-4 between the two fails.)
+    torch.manual_seed(0)
     config = tiny_vl_config()
     model = vm.build(config)
     randomize(model)
@@ -172,8 +176,9 @@ def test_images_change_the_hidden_states(pair):
         a = model(ids, pos, pixel_values=pix[0], image_grid_thw=grid).last_hidden_state
         b = model(ids, pos, pixel_values=pix[0] + 1, image_grid_thw=grid).last_hidden_state
     first = int((ids[0] == IMAGE).nonzero()[0])
-    assert torch.equal(a[:, :first], b[:, :first])
-    assert (a[:, first:] - b[:, first:]).abs().amax(-1).min() > 1e-4
+    # before the image only GEMM rounding differs (CPU GEMMs over other row counts, e.g. per expert)
+    assert (a[:, :first] - b[:, :first]).abs().max() <= 1e-6
+    assert (a[:, first:] - b[:, first:]).abs().amax(-1).min() > 1e-3
 
 
 def test_packed_row_equals_samples(pair):
