@@ -34,7 +34,8 @@ class VisionLanguageModel(nn.Module):
 class MoeVisionLM(nn.Module):
     """Qwen3.5-MoE with its vision tower, on verl_moe ops.
 
-    forward(input_ids [B, T] long, position_ids [B, T] or [3, B, T] long (see `rope_index`),
+    forward(input_ids [B, T] long, position_ids [B, T], [3, B, T] (see `rope_index`) or [4, B, T] (a
+    text row, then the three mRoPE rows: verl's layout; the text row is dropped, as transformers does) long,
     cu_seqlens [N+1] int or None, pixel_values [P, C*TP*PS*PS] float or None, image_grid_thw [N_img, 3]
     int or None, pixel_values_videos / video_grid_thw the same for videos, output_router_logits=False)
     -> MoeModelOutput (final hidden states [B, T, D] after the norm, as `MoeCausalLM`). The images of
@@ -74,6 +75,8 @@ class MoeVisionLM(nn.Module):
         """See the class docstring. Raises ValueError on bad inputs (see `check_inputs`), a grid that
         does not match its pixel patches, or placeholder tokens that do not match the features (both
         counts named); images under sequence parallelism are not supported yet."""
+        if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+            position_ids = position_ids[1:]
         self.check_inputs(input_ids, position_ids, cu_seqlens)
         if self.sequence_parallel is not None and (pixel_values is not None or pixel_values_videos is not None):
             raise ValueError("images or videos under sequence parallelism are not supported yet")

@@ -246,18 +246,83 @@ def test_bad_inputs_name_both_counts(pair):
         model(ids, pos, pixel_values=torch.randn(12, 96), image_grid_thw=torch.tensor([[1, 3, 4]]))
 
 
-@pytest.mark.parametrize("impl", ["torch", "flex"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_bidirectional_attention_matches_formula(impl, dtype):
-    """causal=False: every token of a packed sequence (an image frame) sees the whole sequence."""
-    lengths, H, K = [6, 1, 9], 2, 8
-    T = sum(lengths)
-    q, k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(3))
-    cu = torch.tensor([0, 6, 7, 16], dtype=torch.int32)
+def check_bidirectional(impl, dtype, lengths, K, dev="cpu", tol=None):
+    """causal=False vs the fp64 formula: every token of a packed sequence sees the whole sequence."""
+    T, H = sum(lengths), 2
+    q, k, v = (torch.randn(1, T, H, K, device=dev).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     out = causal_attention(q, k, v, cu_seqlens=cu, causal=False, impl=impl)
-    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(dev)
     allowed = seq[:, None] == seq[None, :]
     qd, kd, vd = (t.double()[0].transpose(0, 1) for t in (q, k, v))  # [H, T, K]
     s = (qd @ kd.transpose(1, 2) * K**-0.5).masked_fill(~allowed, float("-inf"))
     ref = (torch.softmax(s, -1) @ vd).transpose(0, 1)[None]
-    assert_rel_rms(f"{impl} {dtype}", ref, out, 1e-12 if dtype == torch.float64 else 1e-6)
+    assert_rel_rms(f"{impl} {dtype}", ref, out, tol or (1e-12 if dtype == torch.float64 else 1e-6))
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_bidirectional_attention_matches_formula(impl, dtype):
+    check_bidirectional(impl, dtype, [6, 1, 9], 8)
+
+
+@pytest.mark.gpu
+def test_gpu_bidirectional_varlen_matches_formula():
+    """Flash attention's varlen kernel with causal=False (the tower's default on cuda) at the real
+    vision head dim 72, frames of 1024 and 64 patches."""
+    from verl_moe.ops import device
+
+    if device.device_type() != "cuda":
+        pytest.skip("flash varlen is cuda only for causal=False")
+    check_bidirectional("varlen", torch.bfloat16, [1024, 64, 1], 72, dev=device.current_device(), tol=1e-2)
+
+
+def test_text_only_equals_the_text_model(pair):
+    """Without images the model is the text decoder: bit-equal hidden states to MoeCausalLM with the
+    same weights; verl's 4-row position ids (text row first) equal the 3 mRoPE rows."""
+    model, _ = pair
+    config = tiny_vl_config()
+    text = vm.build(config.text_config)
+    prefix = "model.language_model."
+    text.load_state_dict(
+        {
+            ("model." + k[len(prefix) :] if k.startswith(prefix) else k): v
+            for k, v in model.state_dict().items()
+            if not k.startswith("model.visual.")
+        }
+    )
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, 100, (2, 11), generator=gen)
+    pos, _ = model.rope_index(ids)
+    with torch.no_grad():
+        ours = model(ids, pos).last_hidden_state
+        assert torch.equal(ours, text(ids, pos).last_hidden_state)
+        image_ids, pix, _ = sample(gen, images=[(1, 4, 4)])
+        image_ids, grid = image_ids[None], torch.tensor([[1, 4, 4]])
+        pos3, _ = model.rope_index(image_ids, grid)
+        four = torch.cat([torch.arange(image_ids.shape[1])[None, None], pos3])
+        a = model(image_ids, pos3, pixel_values=pix[0], image_grid_thw=grid).last_hidden_state
+        assert torch.equal(a, model(image_ids, four, pixel_values=pix[0], image_grid_thw=grid).last_hidden_state)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_model_matches_fp64_reference():
+    """The default accelerator ops (rope kernel at the vision head dim, flash varlen causal=False over the
+    frames, the text kernels) in bf16 vs the same weights in fp64 on the CPU: rel RMS <= 2e-2."""
+    from verl_moe.ops import device
+
+    torch.manual_seed(0)
+    config = tiny_vl_config()
+    ref = vm.build(config, dtype=torch.float64)
+    randomize(ref)
+    dev = device.current_device()
+    ours = vm.build(config, dtype=torch.bfloat16, device=dev)
+    ours.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(9)
+    ids, pix, _ = sample(gen, images=[(1, 8, 8), (1, 6, 4)])
+    ids, grid, pixels = ids[None], torch.tensor([[1, 8, 8], [1, 6, 4]]), torch.cat(pix)
+    pos, _ = ref.rope_index(ids, grid)
+    with torch.no_grad():
+        want = ref(ids, pos, pixel_values=pixels.double(), image_grid_thw=grid).last_hidden_state
+        got = ours(ids.to(dev), pos.to(dev), pixel_values=pixels.to(dev), image_grid_thw=grid.to(dev))
+    assert_rel_rms("bf16 hidden vs fp64", want, got.last_hidden_state.cpu(), 2e-2)
