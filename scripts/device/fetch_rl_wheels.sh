@@ -33,14 +33,15 @@ get "$D" TransferQueue==0.1.11 pyzmq==27.3.0 msgspec==0.23.0 torchdata==0.11.0 \
 # tables (strip: the dynamic symbols stay). RECORD is rewritten with the new hashes so pip
 # installs it as a regular wheel.
 python3 - "$D/tmp"/ray-2.60.0-*.whl "$D" <<'EOF'
-import base64, hashlib, os, shutil, subprocess, sys, tempfile, zipfile
+import base64, csv, hashlib, io, os, shutil, subprocess, sys, tempfile, zipfile
 
 src, out_dir = sys.argv[1], sys.argv[2]
 DROP = ("ray/jars/", "ray/dashboard/client/build/", "ray/rllib/", "ray/tune/", "ray/train/", "ray/serve/",
         "ray/data/", "ray/llm/")
 STRIP = ("ray/_raylet.so", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet")
 zin = zipfile.ZipFile(src)
-record_name = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
+# the wheel's own RECORD (top level); Ray vendors other packages' dist-info folders under ray/
+record_name = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
 dst = os.path.join(out_dir, os.path.basename(src))
 rows = []
 with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
@@ -60,11 +61,13 @@ with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
         zi.external_attr, zi.compress_type = info.external_attr, zipfile.ZIP_DEFLATED
         zout.writestr(zi, data, compresslevel=9)
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        rows.append(f"{name},sha256={digest},{len(data)}")
-    rows.append(f"{record_name},,")
+        rows.append((name, f"sha256={digest}", len(data)))
+    rows.append((record_name, "", ""))
+    record = io.StringIO()
+    csv.writer(record, lineterminator="\n").writerows(rows)
     zi = zipfile.ZipInfo(record_name, date_time=zin.getinfo(record_name).date_time)
     zi.external_attr = zin.getinfo(record_name).external_attr
-    zout.writestr(zi, "\n".join(rows) + "\n", compress_type=zipfile.ZIP_DEFLATED)
+    zout.writestr(zi, record.getvalue(), compress_type=zipfile.ZIP_DEFLATED)
 print(f"{dst}: {os.path.getsize(src) / 1e6:.1f} MB -> {os.path.getsize(dst) / 1e6:.1f} MB")
 EOF
 rm -rf "$D/tmp"

@@ -32,10 +32,10 @@ else
     actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16 actor_rollout_ref.rollout.dtype=bfloat16)
 fi
 WORK=${GRPO_WORK:-/tmp/grpo} && rm -rf "$WORK"
-timeout 120 "$PY" scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8 || exit 1
+timeout 90 "$PY" scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8 || exit 1
 # dynamic micro-batches of up to 16k tokens (the trainer) and 32k (log-probs of the actor and the
 # reference) instead of the tiny scale's 8 sequences; no validation, no checkpoints
-timeout -k 15 "${RUN_TIMEOUT_S:-400}" "$PY" scripts/toy_rl.py train "$WORK" --platform "$PLATFORM" --steps "$STEPS" \
+timeout -k 15 "${RUN_TIMEOUT_S:-380}" "$PY" scripts/toy_rl.py train "$WORK" --platform "$PLATFORM" --steps "$STEPS" \
   "${SCALE[@]}" trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 \
   trainer.experiment_name=grpo_$SIZE actor_rollout_ref.actor.use_dynamic_bsz=true \
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
