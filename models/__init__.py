@@ -8,7 +8,8 @@ for the vision-language `qwen3_5_moe` config; `mrope_position_ids` gives its ima
 """
 
 from .arch import ArchConfig
-from .causal_lm import MoeCausalLM, MoeModelOutput, build
+from .causal_lm import MoeCausalLM, MoeModelOutput
+from .factory import build
 from .ops_config import OpsConfig
 from .qwen3_5_moe.rope_index import mrope_position_ids
 from .qwen3_5_moe.vl_model import MoeVisionLM

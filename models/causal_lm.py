@@ -27,7 +27,6 @@ from .registry import ModelSpec, get_spec
 if TYPE_CHECKING:
     from ..engines.ulysses import UlyssesGroup
     from ..ops.experts.expert_parallel import ExpertParallelGroup
-    from .qwen3_5_moe.vl_model import MoeVisionLM
 
 logger = logging.getLogger(__name__)
 
@@ -254,25 +253,23 @@ def build(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
-) -> MoeCausalLM | MoeVisionLM:
-    """A freshly initialised MoeCausalLM for an HF config (a MoeVisionLM for a vision-language one).
+) -> MoeCausalLM:
+    """A freshly initialised MoeCausalLM for a text HF config (`verl_moe.models.build`, in factory.py,
+    also takes the vision-language one).
 
     Args:
-        hf_config: a transformers config of a supported model_type (`qwen3_5_moe_text`, `qwen3_moe`;
-            `qwen3_5_moe`, the vision-language config, gives the model with its vision tower).
+        hf_config: a transformers config of model_type `qwen3_5_moe_text` or `qwen3_moe`.
         dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
         ops: implementation choices: an OpsConfig, a mapping of its fields (a Hydra config's
             dict), or None for OpsConfig() (auto everywhere, fp32 router).
     Raises:
-        ValueError: unsupported model_type, invalid or unsupported config, unknown op implementation
-            or `ops` key.
+        ValueError: unsupported model_type or a vision-language one, invalid or unsupported config,
+            unknown op implementation or `ops` key.
         TypeError: `ops` is neither an OpsConfig, a mapping nor None.
     """
     spec = get_spec(hf_config.model_type)
-    if spec.vision_arch is not None:  # vision-language config: models/qwen3_5_moe/vl_model.py
-        from .qwen3_5_moe.vl_model import build_vision_lm
-
-        return build_vision_lm(hf_config, spec, dtype, device, ops)
+    if spec.vision_arch is not None:
+        raise ValueError(f"{hf_config.model_type} is a vision-language config: build it with verl_moe.models.build")
     text_config = spec.text_config(hf_config)
     arch = spec.arch_config(text_config)
     if not dtype.is_floating_point:

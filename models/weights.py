@@ -32,7 +32,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .causal_lm import MoeCausalLM, build
+from .causal_lm import MoeCausalLM
+from .factory import build
 from .ops_config import OpsConfig
 from .qwen3_5_moe.vl_model import MoeVisionLM
 from .registry import ModelSpec, get_spec
