@@ -326,3 +326,22 @@ def test_gpu_bf16_model_matches_fp64_reference():
         want = ref(ids, pos, pixel_values=pixels.double(), image_grid_thw=grid).last_hidden_state
         got = ours(ids.to(dev), pos.to(dev), pixel_values=pixels.to(dev), image_grid_thw=grid.to(dev))
     assert_rel_rms("bf16 hidden vs fp64", want, got.last_hidden_state.cpu(), 2e-2)
+
+
+@pytest.mark.parametrize(
+    "vision, message",
+    [
+        (dict(out_hidden_size=48), "out_hidden_size=48 must equal text_config.hidden_size=64"),
+        (dict(num_heads=3), "hidden_size=32 must be a multiple of num_heads=3"),
+        (dict(hidden_size=24, num_heads=4), "vision head dim 6 must be a multiple of 4"),
+        (dict(hidden_act="relu"), "hidden_act 'relu' is not supported"),
+        (dict(patch_size=[4, 4]), "patch_size must be one int"),
+    ],
+)
+def test_unsupported_vision_configs_fail_before_allocation(vision, message):
+    config = tiny_vl_config()
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
+    config.vision_config.depth = 10**6  # would allocate for minutes if the check came late
+    with pytest.raises(ValueError, match=message):
+        vm.build(config)
