@@ -42,13 +42,14 @@ timeout -k 15 "${RUN_TIMEOUT_S:-380}" "$PY" scripts/toy_rl.py train "$WORK" --pl
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \
   actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 \
   > "$WORK.log" 2>&1
-echo "main_ppo exit $?"
+RC=$?
+echo "main_ppo exit $RC (124: stopped at the time limit)"
 tail -c 4000000 "$WORK.log" > "$OUT/main_ppo.log"
-grep -E "Error|error:|Traceback" "$WORK.log" | grep -v -i warn | tail -5
+[ "$RC" = 0 ] || { grep -E "Error|error:|Traceback" "$WORK.log" | grep -v -i warn | tail -5; tail -20 "$WORK.log" | cut -c1-400; }
 # Ray's daemons outlive main_ppo when the timeout stops it (device only: here it would stop every
 # Ray cluster of this user)
 [ "${GRPO_CPU:-0}" = 1 ] || "$PY" -m ray.scripts.scripts stop --force > /dev/null 2>&1
-cp "$WORK/tiny_cpu.jsonl" "$OUT/grpo.jsonl" 2>/dev/null || { echo "no metrics file"; tail -40 "$WORK.log"; exit 1; }
+cp "$WORK/tiny_cpu.jsonl" "$OUT/grpo.jsonl" 2>/dev/null || { echo "no metrics file"; exit 1; }
 # generation tokens/s: response tokens / timing_s/gen; training: prompt + response tokens /
 # timing_s/update_actor (verl's timing_per_token_ms); step 1 includes the first calls' Triton compiles
 "$PY" - "$OUT/grpo.jsonl" <<'EOF' | tee "$OUT/grpo_summary.txt"
