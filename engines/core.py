@@ -13,7 +13,6 @@ Alphabet: N sequences in a micro-batch, T packed tokens, D hidden, VOCAB vocabul
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
 from verl_moe.models.weights import vllm_slot_positions, vllm_slots
 from verl_moe.ops import device
+from verl_moe.ops.common import runtime
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
 UNSUPPORTED_SWITCHES = (
@@ -64,12 +64,12 @@ class PackedBatch:
 
 def enable_determinism(seed: int) -> None:
     """verl's `full_determinism`: verl's own switches (seeds, deterministic torch algorithms,
-    cuBLAS workspace, NCCL / HCCL settings), plus our kernels' fixed configs (`device.deterministic`),
+    cuBLAS workspace, NCCL / HCCL settings), plus our kernels' fixed configs (`ops/common/runtime.py`),
     so two processes given the same inputs produce the same bits."""
     from verl.workers.engine.utils import enable_full_determinism
 
     enable_full_determinism(seed=seed)
-    os.environ[device.DETERMINISTIC_ENV] = "1"
+    runtime.set_deterministic(True)
 
 
 def vllm_delta_entry(name: str, spec, place, local_idx: torch.Tensor, values: torch.Tensor) -> tuple:

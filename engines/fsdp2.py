@@ -1,11 +1,11 @@
 """`MoeFsdp2Engine`: verl's BaseEngine for Qwen3.5-MoE / Qwen3-MoE on FSDP2 `fully_shard`.
 
 Parallelism: one DeviceMesh over the world, 1-D ("fsdp") or, when `fsdp_size` is smaller than
-the world, 2-D ("ddp", "fsdp") = hybrid shard (replicate across groups, shard within). Each
-decoder layer is one `fully_shard` unit (with composable activation checkpointing when the
-model config asks for it); each MoE router is its own unit that keeps the master dtype (fp32)
-for compute and gradient reduction; the root unit holds embeddings, final norm and lm_head,
-and wraps the fused log-prob head (`core.LogProbModel`) so the head sees unsharded weights.
+the world, 2-D ("ddp", "fsdp") = hybrid shard (replicate across groups, shard within). The
+units are `models/parallelize.py`'s: each decoder layer (activation checkpointing when the model
+config asks for it), each MoE router in the master dtype (fp32), and the root (embeddings, final
+norm, lm_head), which wraps the fused log-prob head (`core.LogProbModel`) so the head sees
+unsharded weights.
 
 Ulysses sequence parallelism (`ulysses_sequence_parallel_size` = sp > 1): a second ("dp", "sp")
 mesh groups consecutive ranks into SP groups that share one batch (verl dispatches by the dp
@@ -34,10 +34,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
@@ -46,9 +45,10 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines import core
 from verl_moe.engines.config import engine_layout, ops_config, precision_dtypes, validate_engine_config
-from verl_moe.engines.ulysses import UlyssesGroup, packed_log_probs
+from verl_moe.engines.ulysses import packed_log_probs
 from verl_moe.models import build, from_pretrained, to_vllm_named_tensors
-from verl_moe.models.layers import TopKRouter
+from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, fully_shard_model
 from verl_moe.ops import device
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,9 @@ class MoeFsdp2Engine(BaseEngine):
         self.lr_scheduler = None
         self.last_step_skipped = False
         self._saved_checkpoints: list[str] = []
+        # per parameter, this rank's shard as last exported (verl's delta sync diffs against it);
+        # the attribute is verl's: BaseEngine.prime_delta_snapshots fills it after the seed sync
+        self._delta_shard_snap: dict[str, torch.Tensor] = {}
 
     # ---- build -------------------------------------------------------------------------------
 
@@ -158,29 +161,23 @@ class MoeFsdp2Engine(BaseEngine):
         )
 
     def _shard(self, module: core.LogProbModel) -> None:
-        """fully_shard: routers (master dtype), then decoder layers (compute dtype), then the root."""
+        """fully_shard as `models/parallelize.py` lays the model out, with this engine's mesh and dtypes."""
         layout = self.layout
-        compute = None if self.compute_dtype == self.master_dtype else self.compute_dtype
-        reduce = None if self.reduce_dtype == self.master_dtype else self.reduce_dtype
         offload = CPUOffloadPolicy(pin_memory=device.is_accelerator()) if layout.fsdp_cpu_offload else OffloadPolicy()
-        common = dict(mesh=self.mesh, reshard_after_forward=layout.reshard_after_forward, offload_policy=offload)
-        layer_mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
-        # The router decides expert choice: bf16 rounding of its weights flips top-k sets.
-        router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
-        for layer in module.model.model.layers:
-            for sub in layer.modules():
-                if isinstance(sub, TopKRouter):
-                    fully_shard(sub, mp_policy=router_mp, **common)
-            self._shard_experts(layer, layer_mp, common)
-            if self.model_config.enable_gradient_checkpointing:
-                activation_checkpoint(layer)
-            fully_shard(layer, mp_policy=layer_mp, **common)
-        # The root must not cast its inputs: per-token temperature stays fp32.
-        root_mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
-        fully_shard(module, mp_policy=root_mp, **common)
+        plan = FsdpPlan(
+            mesh=self.mesh,
+            compute_dtype=None if self.compute_dtype == self.master_dtype else self.compute_dtype,
+            reduce_dtype=None if self.reduce_dtype == self.master_dtype else self.reduce_dtype,
+            reshard_after_forward=layout.reshard_after_forward,
+            offload_policy=offload,
+            activation_checkpointing=self.model_config.enable_gradient_checkpointing,
+            experts=self._expert_plan(),
+        )
+        fully_shard_model(module, module.model, plan)
 
-    def _shard_experts(self, layer: torch.nn.Module, mp_policy: MixedPrecisionPolicy, common: dict) -> None:
+    def _expert_plan(self) -> ExpertPlan | None:
         """Without expert parallelism the experts are sharded with their decoder layer."""
+        return None
 
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(module.parameters(), self.optimizer_config)
@@ -348,7 +345,6 @@ class MoeFsdp2Engine(BaseEngine):
         `prime_delta_snapshots`) in vLLM's names and coordinates (`core.vllm_delta_entry`)."""
         from verl.workers.engine.utils import hf_delta_export
 
-        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
         gen, _ = self.get_per_tensor_param_shard()
         return hf_delta_export(gen, self._delta_shard_snap, core.vllm_delta_entry), None
 

@@ -23,16 +23,13 @@ weights out) with three differences:
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 from veomni.distributed import parallel_state as veomni_parallel_state
 from veomni.optim import build_lr_scheduler
 from verl.workers.config import VeOmniOptimizerConfig
 from verl_moe.engines.fsdp2 import MoeFsdp2Engine
-from verl_moe.engines.ulysses import UlyssesGroup
-from verl_moe.models.layers import Experts
+from verl_moe.models.parallel import ExpertParallelGroup, UlyssesGroup
+from verl_moe.models.parallelize import ExpertPlan
 from verl_moe.ops import device
-from verl_moe.ops.experts.expert_parallel import ExpertParallelGroup
 
 
 def init_veomni_parallel_state(world_size: int, fsdp_size: int, ulysses: int, ep: int):
@@ -115,27 +112,15 @@ class MoeVeOmniEngine(MoeFsdp2Engine):
                 weight_grad_scale=1.0 / ep_mesh.size(),
             )
 
-    def _shard_experts(self, layer: torch.nn.Module, mp_policy: MixedPrecisionPolicy, common: dict) -> None:
-        """Under EP: this rank's expert block as DTensors on the "ep" mesh, sharded by FSDP over
-        the remaining expert-mesh dims (dim 1, as VeOmni), averaged over the whole world."""
+    def _expert_plan(self) -> ExpertPlan | None:
+        """Under EP: this rank's expert block as DTensors on the "ep" mesh, sharded by FSDP over the
+        remaining expert-mesh dims ([ep_replicate,] ep_fsdp), averaged over the whole world."""
         if self.expert_parallel is None:
-            return
+            return None
         ps = self.parallel_state
         expert_mesh = ps.extra_parallel_fsdp_device_mesh["ep"]  # ([ep_replicate,] ep_fsdp, ep)
-        ep_mesh, fsdp_dims = ps.ep_mesh, expert_mesh.mesh_dim_names[:-1]
-        ep = self.expert_parallel
-        for experts in (m for m in layer.modules() if isinstance(m, Experts)):
-            for name, param in list(experts.named_parameters(recurse=False)):
-                local_experts = param.shape[0] // ep.size
-                local = param.detach()[ep.rank * local_experts : (ep.rank + 1) * local_experts]
-                dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-                setattr(experts, name, torch.nn.Parameter(dtensor))
-            fully_shard(
-                experts,
-                **{**common, "mesh": expert_mesh[fsdp_dims]},
-                mp_policy=mp_policy,
-                shard_placement_fn=lambda _param: Shard(1),
-            )
+        fsdp_mesh = expert_mesh[expert_mesh.mesh_dim_names[:-1]]
+        return ExpertPlan(group=self.expert_parallel, ep_mesh=ps.ep_mesh, fsdp_mesh=fsdp_mesh)
 
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         oc = self.optimizer_config

@@ -25,8 +25,7 @@ from .qwen3_5_moe.model import GatedDeltaNet
 from .registry import ModelSpec, get_spec
 
 if TYPE_CHECKING:
-    from ..engines.ulysses import UlyssesGroup
-    from ..ops.experts.expert_parallel import ExpertParallelGroup
+    from .parallel import ExpertParallelGroup, UlyssesGroup
 
 logger = logging.getLogger(__name__)
 

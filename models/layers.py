@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from .arch import ArchConfig
 
 if TYPE_CHECKING:
-    from ..engines.ulysses import UlyssesGroup
-    from ..ops.experts.expert_parallel import ExpertParallelGroup
+    from .parallel import ExpertParallelGroup, UlyssesGroup
 
 
 @dataclass(frozen=True)

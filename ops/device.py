@@ -11,6 +11,9 @@ import os
 
 import torch
 
+# deterministic mode lives with the ops' other process-wide state; re-exported for callers of device
+from .common.runtime import DETERMINISTIC_ENV, deterministic  # noqa: F401
+
 # Ascend: torch_npu must be imported before torch knows the "npu" device. Importing it on a
 # machine without CANN fails (libhccl.so), so a failed import simply means "no NPU".
 
@@ -107,13 +110,3 @@ def memory_stats() -> dict[str, float]:
 def max_memory_allocated() -> int:
     """Peak allocated bytes on the accelerator (0 on CPU)."""
     return 0 if device_type() == "cpu" else device_module().max_memory_allocated()
-
-
-DETERMINISTIC_ENV = "VERL_MOE_DETERMINISTIC"
-
-
-def deterministic() -> bool:
-    """True when our kernels must pick the same configuration in every process (`VERL_MOE_DETERMINISTIC=1`,
-    set by the engines under verl's `full_determinism`): the autotuner may otherwise pick, in two
-    processes that time differently, configs whose reductions run in a different order."""
-    return os.environ.get(DETERMINISTIC_ENV) == "1"

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 
 from . import device
+from .common import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def unrunnable_reason(impl: str, interpreter: bool = True) -> str | None:
         if not device.is_accelerator():
             if not interpreter:
                 return "no cuda/npu device (these shapes are too large for the Triton interpreter)"
-            if os.environ.get("TRITON_INTERPRET") != "1":
+            if not runtime.interpreting():
                 return "no cuda/npu device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
         return None
     package = ANCHOR_PACKAGES.get(impl)

@@ -6,8 +6,7 @@ import weakref
 
 import torch
 
-# id(tensor) -> (weak reference, (version, data_ptr), values) of the device offsets read so far
-_HOST_VALUES: dict[int, tuple] = {}
+from .common.runtime import HOST_OFFSETS, HOST_OFFSETS_LIMIT
 
 
 def _read_is_costly(cu_seqlens: torch.Tensor) -> bool:
@@ -24,17 +23,18 @@ def host_values(cu_seqlens: torch.Tensor) -> list[int]:
     are read once per tensor object, version and storage: one packed batch's offsets reach every
     layer's ops and the model's own check, and each read waits for all queued device work. On a
     device only torch ops write (each bumps the version); a write that bypasses the version
-    counter (through `.data`, or a kernel handed the raw pointer) is not seen."""
+    counter (through `.data`, or a kernel handed the raw pointer) is not seen. The cache is
+    `ops/common/runtime.py`'s `HOST_OFFSETS`."""
     if not _read_is_costly(cu_seqlens) or cu_seqlens.is_inference():  # inference: no version counter
         return cu_seqlens.tolist()
     stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
-    seen = _HOST_VALUES.get(id(cu_seqlens))
+    seen = HOST_OFFSETS.get(id(cu_seqlens))
     if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
         return seen[2]
     values = cu_seqlens.tolist()
-    if len(_HOST_VALUES) >= 64:
-        _HOST_VALUES.clear()
-    _HOST_VALUES[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
+    if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
+        HOST_OFFSETS.clear()
+    HOST_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
     return values
 
 

@@ -10,7 +10,7 @@ RMSNorm with z = in_proj_z(x) and out_proj.
 Under Ulysses sequence parallelism (`MoeCausalLM.set_sequence_parallel`) the projections run on
 this rank's tokens, one all-to-all hands each rank whole sequences of a block of key and value
 heads, and the conv, the recurrence and the gated norm run there on the matching slices of
-conv1d.weight, A_log and dt_bias (see `verl_moe.engines.ulysses`).
+conv1d.weight, A_log and dt_bias (see `verl_moe.models.parallel`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..arch import ArchConfig
 from ..layers import ResolvedOps, RMSNorm
 
 if TYPE_CHECKING:
-    from ...engines.ulysses import UlyssesGroup
+    from ..parallel import UlyssesGroup
 
 
 class GatedDeltaNet(nn.Module):

@@ -12,7 +12,6 @@ which `tests/ops/test_kernel_rules.py` evaluates against the Ascend rules.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -20,12 +19,10 @@ import triton
 import triton.language as tl
 
 from .. import device
+from . import runtime
+from .runtime import interpreting  # noqa: F401  (re-exported: the kernels' modules import it from here)
 
 GRID_LIMIT = 65535  # Ascend: 1-D launch grids stay within 65535 programs
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -74,13 +71,9 @@ def search_configs(configs: list[dict], args: dict) -> list[dict]:
     """The configs the autotuner may pick from: the first one alone in deterministic mode (configs
     differ in block sizes, hence in the order of some reductions) and for fp32 inputs (the accuracy
     mode: its exact "ieee" tl.dot compiles to FMA loops on CUDA, ~10 s per kernel and config)."""
-    if device.deterministic() or args.get("DT") is tl.float32:
+    if runtime.deterministic() or args.get("DT") is tl.float32:
         return configs[:1]
     return configs
-
-
-# (kernel, deterministic mode, key values, tensor dtypes) -> the config the autotuner picked for them
-_PICKED: dict[tuple, dict] = {}
 
 
 def launch(
@@ -98,16 +91,16 @@ def launch(
     # The autotuner's own pick key (the key arguments and every tensor's dtype) plus the search mode.
     pick_key = (
         kernel,
-        device.deterministic(),
+        runtime.deterministic(),
         *(args[k] for k in key),
         *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)),
     )
-    best = _PICKED.get(pick_key)
+    best = runtime.AUTOTUNE_PICKS.get(pick_key)
     if best is None:
         frozen = tuple(tuple(sorted(c.items())) for c in search_configs(configs, args))
         tuned = _autotuned(kernel, frozen, tuple(key), tuple(restore))
         tuned[grid_fn](**args)
-        _PICKED[pick_key] = tuned.best_config.all_kwargs()
+        runtime.AUTOTUNE_PICKS[pick_key] = tuned.best_config.all_kwargs()
     else:
         # Once picked, launch the plain kernel with that config: the autotuner's per-call bookkeeping
         # is host time that, at a dozen launches per layer, can leave the GPU waiting on short kernels.

@@ -12,12 +12,15 @@ The sort, the permutation and the sum are the token moves of the experts impleme
 back, so the sum needs no weights and the [S, D] outputs are not saved for the weights' gradient.
 Deterministic: stable sorts, no atomics. Works with any backend that implements `all_to_all_single`
 (NCCL, HCCL, gloo).
+
+The group `ep` is taken by duck type (`group`, `size`, `rank`, `weight_grad_scale`: the model layer's
+`verl_moe.models.parallel.ExpertParallelGroup`), so this op imports nothing above ops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,22 +28,6 @@ import torch.distributed as dist
 from ..dispatch import resolve
 from .grouped import token_moves_for
 from .reference import check_experts_inputs
-
-
-@dataclass(frozen=True)
-class ExpertParallelGroup:
-    """The process group over which experts are split, this rank's index in it, and its size.
-
-    `weight_grad_scale` multiplies the gradients of the local expert weights in backward: an
-    expert's gradient sums the tokens of every rank of the group, so an engine whose gradient
-    reduction averages over the other ranks only (FSDP over the expert-sharding mesh) sets
-    1 / size to get the same data-parallel average as every other weight.
-    """
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    weight_grad_scale: float = 1.0
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -72,7 +59,7 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
 
 
-def _exchange_counts(send_counts: torch.Tensor, ep: ExpertParallelGroup) -> list[int]:
+def _exchange_counts(send_counts: torch.Tensor, ep: Any) -> list[int]:
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
     return recv_counts.tolist()
@@ -84,7 +71,7 @@ def moe_experts_expert_parallel(
     down_local: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weight: torch.Tensor,
-    ep: ExpertParallelGroup,
+    ep: Any,
     experts: Callable | None = None,
 ) -> torch.Tensor:
     """hidden [N, D] (N may be 0) and topk_idx / topk_weight [N, TOPK] of this rank's tokens (global

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from ...tools.bench import time_ms
 from .. import device
+from ..common.timing import time_ms
 from . import bench
 
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from dist import spawn
 from engine_setup import make_batch
 from verl_moe.engines import core
-from verl_moe.engines.ulysses import UlyssesGroup, slice_packed
+from verl_moe.engines.ulysses import slice_packed
+from verl_moe.models.parallel import UlyssesGroup
 from verl_moe.ops.attention import causal_attention_ref
 
 

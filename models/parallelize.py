@@ -1,0 +1,106 @@
+"""How a `MoeCausalLM` is split over ranks: the one place that knows which submodules shard how.
+
+Engines decide the layout (meshes, dtypes, offload, whether experts are split over ranks) and pass it
+as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
+
+- every MoE router (`TopKRouter`) is its own unit in the master dtype (fp32), for compute and gradient
+  reduction: bf16 rounding of its weights flips top-k expert sets;
+- under expert parallelism every `Experts` holds this rank's block of E / ep experts as DTensors
+  (`Shard(0)` on the "ep" mesh, `shard_experts`) and is its own unit over the remaining expert-mesh
+  dims, sharded along dim 1 (as VeOmni does); without it the experts shard with their layer;
+- every decoder layer is one unit in the compute dtype (with activation checkpointing when asked);
+- the root unit (embeddings, final norm, lm_head, and whatever wraps the model: the engine's log-prob
+  head) does not cast its inputs, so a per-token temperature stays fp32.
+
+Sequence parallelism shards no parameter: the model's token mixers take their head slices of the
+unsharded parameters inside each unit (`models/parallel.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as activation_checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from .layers import Experts, TopKRouter
+from .parallel import ExpertParallelGroup
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Experts split over ranks: `group` (this rank's index and the EP size), `ep_mesh` (the 1-D "ep"
+    mesh the expert blocks are DTensors on) and `fsdp_mesh` (the mesh FSDP shards each block over)."""
+
+    group: ExpertParallelGroup
+    ep_mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    """What an engine chose. compute_dtype / reduce_dtype: None keeps the master dtype (no cast).
+    experts: None shards the experts with their decoder layer."""
+
+    mesh: DeviceMesh
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    offload_policy: OffloadPolicy | None = None
+    activation_checkpointing: bool = False
+    experts: ExpertPlan | None = None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a MoeCausalLM (`model.layers`) or a MoeVisionLM (`model.language_model.layers`)."""
+    inner = model.model
+    return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+
+
+def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceMesh) -> None:
+    """Replace each expert weight [E, ...] of `experts` by this rank's rows [r*E/ep, (r+1)*E/ep) as a
+    DTensor (`Shard(0)` on `ep_mesh`), in place. Raises ValueError unless ep divides E."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if param.shape[0] % group.size:
+            raise ValueError(f"{param.shape[0]} experts do not split over expert-parallel size {group.size}")
+        local_experts = param.shape[0] // group.size
+        local = param.detach()[group.rank * local_experts : (group.rank + 1) * local_experts]
+        dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(dtensor))
+
+
+def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> None:
+    """Apply `plan` to `model` (a MoeCausalLM) in place, with `root` (the model or a module wrapping it)
+    as the root unit: routers, then (under EP) experts, then each decoder layer, then the root."""
+    common = dict(
+        mesh=plan.mesh,
+        reshard_after_forward=plan.reshard_after_forward,
+        offload_policy=plan.offload_policy or OffloadPolicy(),
+    )
+    layer_mp = MixedPrecisionPolicy(param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype)
+    router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
+    for layer in decoder_layers(model):
+        for sub in layer.modules():
+            if isinstance(sub, TopKRouter):
+                fully_shard(sub, mp_policy=router_mp, **common)
+        if plan.experts is not None:
+            ep = plan.experts
+            for experts in [m for m in layer.modules() if isinstance(m, Experts)]:
+                shard_experts(experts, ep.group, ep.ep_mesh)
+                fully_shard(
+                    experts,
+                    **{**common, "mesh": ep.fsdp_mesh},
+                    mp_policy=layer_mp,
+                    shard_placement_fn=lambda _param: Shard(1),
+                )
+        if plan.activation_checkpointing:
+            activation_checkpoint(layer)
+        fully_shard(layer, mp_policy=layer_mp, **common)
+    root_mp = MixedPrecisionPolicy(
+        param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False
+    )
+    fully_shard(root, mp_policy=root_mp, **common)
