@@ -11,8 +11,10 @@ from tensordict import TensorDict
 from transformers import Qwen3_5MoeTextConfig
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
-from verl.utils.model import compute_position_id_with_mask
 from verl.workers.utils.padding import left_right_2_no_padding
+from verl_moe.ops.logprob.reference import logprobs_from_logits_ref
+from verl_moe.tools.align.backends.engine import engine_configs
+from verl_moe.tools.align.data import rollout_batch
 
 VOCAB = 96
 
@@ -59,20 +61,13 @@ def make_batch(
     response_valid = torch.randint(1, response_len + 1, (batch_size,), generator=gen)
     if valid is not None:
         prompt_valid, response_valid = torch.tensor(valid[0]), torch.tensor(valid[1])
-    cols = torch.arange(total)
-    attention_mask = (cols >= prompt_len - prompt_valid[:, None]) & (cols < prompt_len + response_valid[:, None])
-    attention_mask = attention_mask.long()
-    input_ids = input_ids * attention_mask
-    response_mask = attention_mask[:, prompt_len:]
+    batch = rollout_batch(input_ids[:, :prompt_len], input_ids[:, prompt_len:], prompt_valid, response_valid)
+    response_mask = batch["response_mask"]
     per_sample = isinstance(temperature, torch.Tensor)
     data = DataProto.from_single_dict(
         {
-            "input_ids": input_ids,
-            "prompts": input_ids[:, :prompt_len],
-            "responses": input_ids[:, prompt_len:],
-            "attention_mask": attention_mask,
-            "position_ids": compute_position_id_with_mask(attention_mask),
-            "response_mask": response_mask,
+            "input_ids": batch["input_ids"],  # first, as verl's rollout writes it
+            **batch,
             "advantages": torch.randn(batch_size, 1, generator=gen).expand(-1, response_len) * response_mask,
             **({"temperature": temperature.float()} if per_sample else {}),
         },
@@ -91,10 +86,10 @@ def reference_log_probs(model: vm.MoeCausalLM, data: TensorDict) -> tuple[torch.
         pos = data["position_ids"].unbind()[i]
         hidden = model(ids[None], pos[None]).last_hidden_state[0]
         t = temperature[i] if isinstance(temperature, torch.Tensor) else temperature
-        logp = torch.log_softmax(model.logits(hidden).float() / t, dim=-1)
         labels = torch.cat([ids[1:], ids[:1]])
-        log_probs.append(logp.gather(1, labels[:, None]).squeeze(1))
-        entropies.append(-(logp.exp() * logp).sum(-1))
+        log_prob, entropy = logprobs_from_logits_ref(model.logits(hidden).float(), labels, t)
+        log_probs.append(log_prob)
+        entropies.append(entropy)
     offsets = data["input_ids"].offsets()
     return (
         torch.nested.nested_tensor_from_jagged(torch.cat(log_probs), offsets),
@@ -126,46 +121,38 @@ def build_engine(
 ):
     """MoeFsdp2Engine (through verl's registry) on an HF folder, fp32 compute unless overridden;
     `optimizer` / `model` override FSDPOptimizerConfig (default lr 1e-3) / HFModelConfig fields."""
-    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
-    from verl_moe.engines.config import MoeFsdp2EngineConfig
-
-    kwargs = dict(
+    engine = dict(
         strategy="fsdp2", mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"},
         use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2,
     )  # fmt: skip
-    kwargs.update(engine_overrides)
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend=kwargs["strategy"],
-        model_config=HFModelConfig(path=path, load_tokenizer=False, **(model or {})),
-        engine_config=MoeFsdp2EngineConfig(**kwargs),
-        optimizer_config=FSDPOptimizerConfig(**{"lr": 1e-3, **(optimizer or {})}),
-        checkpoint_config=checkpoint_config,
-    )
-    engine.initialize()
-    return engine
+    return _new_engine("fsdp2", path, {**engine, **engine_overrides}, optimizer, checkpoint_config, model)
 
 
 def build_veomni_engine(path: str, optimizer: dict | None = None, checkpoint_config=None, **engine_overrides):
     """MoeVeOmniEngine (through verl's registry, backend "veomni") on an HF folder: fp32 master
     weights and fp32 compute unless overridden; `optimizer` overrides VeOmniOptimizerConfig
     fields (default lr 1e-3, the same AdamW settings as `build_engine`)."""
-    from verl.workers.config import HFModelConfig, VeOmniOptimizerConfig
-    from verl.workers.engine import EngineRegistry
-    from verl_moe.engines.config import MoeVeOmniEngineConfig
-
-    kwargs = dict(
+    engine = dict(
         mixed_precision=True, param_dtype="fp32", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
         infer_micro_batch_size_per_gpu=2,
     )  # fmt: skip
-    kwargs.update(engine_overrides)
+    return _new_engine("veomni", path, {**engine, **engine_overrides}, optimizer, checkpoint_config)
+
+
+def _new_engine(kind: str, path: str, engine: dict, optimizer: dict | None, checkpoint_config, model=None):
+    """Our `kind` engine ("fsdp2" | "veomni": which config classes) from verl's EngineRegistry under
+    the engine config's strategy, initialised."""
+    from verl.workers.engine import EngineRegistry
+
+    model_config, engine_config, optimizer_config = engine_configs(
+        kind, path, engine, {"lr": 1e-3, **(optimizer or {})}, model
+    )
     engine = EngineRegistry.new(
         model_type="language_model",
-        backend="veomni",
-        model_config=HFModelConfig(path=path, load_tokenizer=False),
-        engine_config=MoeVeOmniEngineConfig(**kwargs),
-        optimizer_config=VeOmniOptimizerConfig(**{"lr": 1e-3, **(optimizer or {})}),
+        backend=engine_config.strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
         checkpoint_config=checkpoint_config,
     )
     engine.initialize()
