@@ -252,6 +252,7 @@ def build(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> MoeCausalLM:
     """A freshly initialised MoeCausalLM for a text HF config (`verl_moe.models.build`, in factory.py,
     also takes the vision-language one).
@@ -261,6 +262,8 @@ def build(
         dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
         ops: implementation choices: an OpsConfig, a mapping of its fields (a Hydra config's
             dict), or None for OpsConfig() (auto everywhere, fp32 router).
+        compute_dtype: the dtype the layers compute in when it is not the parameters' (FSDP mixed
+            precision casts fp32 master weights to bf16): "auto" ops are chosen for it. None: dtype.
     Raises:
         ValueError: unsupported model_type or a vision-language one, invalid or unsupported config,
             unknown op implementation or `ops` key.
@@ -273,7 +276,7 @@ def build(
     arch = spec.arch_config(text_config)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be floating point, got {dtype}")
-    resolved = resolve_ops(OpsConfig.coerce(ops), arch, dtype)
+    resolved = resolve_ops(OpsConfig.coerce(ops), arch, compute_dtype or dtype)
     model = MoeCausalLM(text_config, spec, arch, resolved, {"dtype": dtype, "device": torch.device(device)})
     init_weights(model)
     return model

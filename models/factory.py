@@ -20,6 +20,8 @@ def build(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
+    compute_dtype: torch.dtype | None = None,
+    text_only: bool = False,
 ) -> MoeCausalLM | MoeVisionLM:
     """A freshly initialised model for an HF config.
 
@@ -29,12 +31,19 @@ def build(
         dtype: parameter dtype. device: where parameters live ("meta" allocates nothing).
         ops: implementation choices: an OpsConfig, a mapping of its fields (a Hydra config's
             dict), or None for OpsConfig() (auto everywhere, fp32 router).
+        compute_dtype: the layers' compute dtype when it is not dtype (mixed precision): "auto"
+            ops are chosen for it. None: dtype.
+        text_only: for a vision-language config, its text decoder alone (a MoeCausalLM that loads
+            the checkpoint's `model.language_model.*` and skips `model.visual.*`): what the engines
+            train until they feed images.
     Raises:
         ValueError: unsupported model_type, invalid or unsupported config, unknown op implementation
             or `ops` key.
         TypeError: `ops` is neither an OpsConfig, a mapping nor None.
     """
     spec = get_spec(hf_config.model_type)
-    if spec.vision_arch is not None:
-        return build_vision_lm(hf_config, spec, dtype, device, ops)
-    return causal_lm.build(hf_config, dtype, device, ops)
+    if spec.vision_arch is not None and text_only:
+        hf_config = spec.text_config(hf_config)
+    elif spec.vision_arch is not None:
+        return build_vision_lm(hf_config, spec, dtype, device, ops, compute_dtype)
+    return causal_lm.build(hf_config, dtype, device, ops, compute_dtype)

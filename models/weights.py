@@ -205,9 +205,12 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
+    compute_dtype: torch.dtype | None = None,
+    text_only: bool = False,
 ) -> MoeCausalLM | MoeVisionLM:
     """Build the model of a local HF folder and load its weights (strict; see module docstring).
     Parameters are allocated once on `device` (no random init of what the checkpoint overwrites).
+    compute_dtype, text_only: as in `verl_moe.models.build`.
 
     Raises:
         FileNotFoundError: `path` is not a folder, or lacks config.json or weight files.
@@ -221,7 +224,7 @@ def from_pretrained(
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {root}")
     hf_config = AutoConfig.from_pretrained(str(root))
-    model = build(hf_config, dtype=dtype, device="meta", ops=ops)
+    model = build(hf_config, dtype=dtype, device="meta", ops=ops, compute_dtype=compute_dtype, text_only=text_only)
     checkpoint_files(root)  # a folder without weights fails before any allocation
     model.to_empty(device=torch.device(device))
     if isinstance(model, MoeVisionLM):

@@ -165,14 +165,16 @@ def build_vision_lm(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: OpsConfig | Mapping | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> MoeVisionLM:
     """A freshly initialised MoeVisionLM for a vision-language config (what `verl_moe.models.build`
-    returns for one). Raises ValueError on an unsupported config or op choice."""
+    returns for one); compute_dtype as in `causal_lm.build`. Raises ValueError on an unsupported
+    config or op choice."""
     arch = spec.arch_config(spec.text_config(hf_config))
     vision = spec.vision_arch(hf_config)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be floating point, got {dtype}")
-    resolved = resolve_ops(OpsConfig.coerce(ops), arch, dtype)
+    resolved = resolve_ops(OpsConfig.coerce(ops), arch, compute_dtype or dtype)
     model = MoeVisionLM(hf_config, spec, arch, vision, resolved, {"dtype": dtype, "device": torch.device(device)})
     init_weights(model)
     return model

@@ -85,3 +85,36 @@ def test_vllm_names_keep_the_vision_language_prefixes():
     assert "model.language_model.layers.1.mlp.experts.2.down_proj.weight" in named
     assert "model.visual.blocks.0.attn.qkv.weight" in named and "lm_head.weight" in named
     assert not any(k.startswith("model.language_model.language_model") for k in named)
+
+
+def test_text_only_build_loads_the_decoder_of_a_vision_language_checkpoint(tmp_path):
+    """`text_only=True` (what the engines build until they feed images): a MoeCausalLM from the VL
+    config whose weights are the checkpoint's `model.language_model.*` and `lm_head`, so on text it
+    gives the full VL model's hidden states bit for bit."""
+    model = vm.build(tiny_vl_config())
+    randomize(model)
+    vm.save_pretrained(model, tmp_path)
+    assert isinstance(vm.build(tiny_vl_config(), device="meta", text_only=True), vm.MoeCausalLM)
+    text = vm.from_pretrained(tmp_path, text_only=True)
+    assert isinstance(text, vm.MoeCausalLM)
+    assert not any(k.startswith("model.visual.") for k in text.state_dict())
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos, _ = model.rope_index(ids)
+    with torch.no_grad():
+        assert torch.equal(text(ids, pos).last_hidden_state, model(ids, pos).last_hidden_state)
+
+
+def test_compute_dtype_picks_the_ops(monkeypatch):
+    """An fp32 model takes torch attention whatever VERL_MOE_OPS says (flash takes 16-bit inputs only);
+    under mixed precision (fp32 master weights, bf16 compute) the ops are chosen for bf16."""
+    from verl_moe.ops.attention.flex import causal_attention_flex
+    from verl_moe.ops.attention.reference import causal_attention_ref
+
+    monkeypatch.setenv("VERL_MOE_OPS", "attention=flex")
+    config = tiny_vl_config().text_config
+
+    def attention_of(model):
+        return next(m.ops.attention for m in model.modules() if hasattr(m, "ops") and hasattr(m.ops, "attention"))
+
+    assert attention_of(vm.build(config, device="meta")) is causal_attention_ref
+    assert attention_of(vm.build(config, device="meta", compute_dtype=torch.bfloat16)) is causal_attention_flex
