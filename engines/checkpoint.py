@@ -31,7 +31,6 @@ import os
 import pickle
 import random
 import shutil
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -46,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from verl_moe.ops import device
 
 logger = logging.getLogger(__name__)
@@ -87,21 +85,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, target: torch.device)
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
                 state[key] = value.to(target)
-
-
-def exported_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor as held: DTensor or plain) per state-dict entry that leaves the trainer; a tied
-    lm_head is left out, as transformers does on save."""
-    tied = model.arch.tie_word_embeddings
-    for name, tensor in model.state_dict().items():
-        if not (tied and name == "lm_head.weight"):
-            yield name, tensor
-
-
-def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per `exported_state` entry, all-gathered one at a time (every rank must iterate)."""
-    for name, tensor in exported_state(model):
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class CheckpointError(ValueError):

@@ -4,14 +4,14 @@ Parallelism: one DeviceMesh over the world, 1-D ("fsdp") or, when `fsdp_size` is
 the world, 2-D ("ddp", "fsdp") = hybrid shard (replicate across groups, shard within). The
 units are `models/parallelize.py`'s: each decoder layer (activation checkpointing when the model
 config asks for it), each MoE router in the master dtype (fp32), and the root (embeddings, final
-norm, lm_head), which wraps the fused log-prob head (`core.LogProbModel`) so the head sees
+norm, lm_head), which wraps the fused log-prob head (`logprob_model.LogProbModel`) so the head sees
 unsharded weights.
 
 Ulysses sequence parallelism (`ulysses_sequence_parallel_size` = sp > 1): a second ("dp", "sp")
 mesh groups consecutive ranks into SP groups that share one batch (verl dispatches by the dp
 rank, and collects from SP rank 0). FSDP still shards over every rank, as verl's FSDP engine
 does: the ranks of an SP group need the same parameters anyway, so sharding over dp only would
-just hold sp copies. Each rank runs its slice of every packed micro-batch (`engines/ulysses.py`)
+just hold sp copies. Each rank runs its slice of every packed micro-batch (`engines/batch.py`)
 and gathers the per-token log-probs, so all SP ranks compute the same loss; the gather's
 backward sums the sp identical gradients, and FSDP's average over dp x sp ranks turns that sum
 back into exactly the data-parallel gradient.
@@ -19,39 +19,21 @@ back into exactly the data-parallel gradient.
 Weights: every rank builds the spec on the meta device, shards it, allocates its shards, and
 rank 0 reads the HF folder and broadcasts (`set_model_state_dict(broadcast_from_rank0=True)`).
 
-Data path, loss call, micro-batching and metrics are `engines/core.py`; checkpoints are
-`engines/checkpoint.py`. Methods follow `verl.workers.engine.base.BaseEngine`'s order.
+Everything but the layout and the optimizer (data path, loss call, micro-batching, metrics, weights
+out, checkpoints) is `engines/base.py`'s `MoeEngineBase`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
-from verl.utils import tensordict_utils as tu
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config.optimizer import build_optimizer
-from verl.workers.engine.base import BaseEngine, BaseEngineCtx
-from verl_moe.engines import checkpoint as ckpt
-from verl_moe.engines import core
-from verl_moe.engines.config import engine_layout, ops_config, precision_dtypes, validate_engine_config
-from verl_moe.engines.ulysses import packed_log_probs
-from verl_moe.models import build, from_pretrained, to_vllm_named_tensors
+from verl_moe.engines.base import MoeEngineBase
 from verl_moe.models.parallel import UlyssesGroup
-from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, fully_shard_model
+from verl_moe.models.parallelize import ExpertPlan
 from verl_moe.ops import device
-
-logger = logging.getLogger(__name__)
 
 
 def build_fsdp_mesh(world_size: int, fsdp_size: int) -> DeviceMesh:
@@ -72,54 +54,14 @@ def build_data_sequence_mesh(world_size: int, sp: int) -> tuple[dist.ProcessGrou
     return mesh["dp"].get_group(), mesh["dp"].get_local_rank(), group
 
 
-class _ModeCtx(BaseEngineCtx):
-    """verl's load/offload context plus module.train()/eval()."""
-
-    def __enter__(self):
-        super().__enter__()
-        self.engine.module.train(self.mode == "train")
-
-    def __exit__(self, exc_type, exc_val, exc_tb):
-        if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
-            self.engine.optimizer_zero_grad()
-        super().__exit__(exc_type, exc_val, exc_tb)
-
-
-class MoeFsdp2Engine(BaseEngine):
-    """verl engine for the model types of `verl_moe.models.SPECS` (selected by `engines/dispatch.py`).
+class MoeFsdp2Engine(MoeEngineBase):
+    """verl engine for `model_engine=fsdp` / `fsdp2` and the model types of `verl_moe.models.SPECS`.
 
     Args (as verl passes them): model_config (HFModelConfig), engine_config (verl's
     FSDPEngineConfig or our MoeFsdp2EngineConfig), optimizer_config (FSDPOptimizerConfig),
     checkpoint_config (CheckpointConfig or None). Raises ValueError on an unsupported
     configuration before anything is built.
     """
-
-    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
-        super().__init__()
-        world_size = dist.get_world_size()
-        validate_engine_config(model_config, engine_config, world_size)
-        if engine_config.full_determinism:
-            core.enable_determinism(engine_config.seed)
-        self.model_config = model_config
-        self.engine_config = engine_config
-        self.optimizer_config = optimizer_config
-        self.checkpoint_config = checkpoint_config
-        self.layout = engine_layout(engine_config)
-        self.mode = None
-        self.rank = dist.get_rank()
-        self.device = device.current_device()
-        self.master_dtype, self.compute_dtype, self.reduce_dtype = precision_dtypes(engine_config)
-        self._build_parallel_layout(world_size)
-        self.module: core.LogProbModel | None = None
-        self.optimizer = None
-        self.lr_scheduler = None
-        self.last_step_skipped = False
-        self._saved_checkpoints: list[str] = []
-        # per parameter, this rank's shard as last exported (verl's delta sync diffs against it);
-        # the attribute is verl's: BaseEngine.prime_delta_snapshots fills it after the seed sync
-        self._delta_shard_snap: dict[str, torch.Tensor] = {}
-
-    # ---- build -------------------------------------------------------------------------------
 
     def _build_parallel_layout(self, world_size: int) -> None:
         """Set `mesh` (what FSDP shards over), the data-parallel group and rank, and the Ulysses
@@ -129,51 +71,6 @@ class MoeFsdp2Engine(BaseEngine):
             world_size, self.layout.sequence_parallel_size
         )
         self.expert_parallel = None
-
-    def initialize(self):
-        """Build the sharded model (weights from `model_config.local_path`), optimizer and LR schedule."""
-        from verl_moe.ops.logprob import logprobs_and_entropy
-
-        ops = ops_config(self.engine_config)
-        model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", ops=ops)
-        model.set_sequence_parallel(self.sequence_parallel)
-        model.set_expert_parallel(self.expert_parallel)
-        module = core.LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
-        self._shard(module)
-        module.to_empty(device=self.device)
-        full_state = {}
-        if self.rank == 0:
-            full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", ops=ops)
-            full_state = full_state.state_dict()
-        set_model_state_dict(
-            module.model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-        del full_state
-        self.module = module
-        if not self.engine_config.forward_only:
-            self.optimizer = self._build_optimizer(module)
-            self.lr_scheduler = self._build_lr_scheduler(self.optimizer)
-        self.to(
-            "cpu",
-            model=self.is_param_offload_enabled,
-            optimizer=self.is_optimizer_offload_enabled,
-            grad=self.is_param_offload_enabled,
-        )
-
-    def _shard(self, module: core.LogProbModel) -> None:
-        """fully_shard as `models/parallelize.py` lays the model out, with this engine's mesh and dtypes."""
-        layout = self.layout
-        offload = CPUOffloadPolicy(pin_memory=device.is_accelerator()) if layout.fsdp_cpu_offload else OffloadPolicy()
-        plan = FsdpPlan(
-            mesh=self.mesh,
-            compute_dtype=None if self.compute_dtype == self.master_dtype else self.compute_dtype,
-            reduce_dtype=None if self.reduce_dtype == self.master_dtype else self.reduce_dtype,
-            reshard_after_forward=layout.reshard_after_forward,
-            offload_policy=offload,
-            activation_checkpointing=self.model_config.enable_gradient_checkpointing,
-            experts=self._expert_plan(),
-        )
-        fully_shard_model(module, module.model, plan)
 
     def _expert_plan(self) -> ExpertPlan | None:
         """Without expert parallelism the experts are sharded with their decoder layer."""
@@ -199,237 +96,3 @@ class MoeFsdp2Engine(BaseEngine):
                 zero_indexed_step=oc.zero_indexed_step,
             )
         raise ValueError(f"lr_scheduler_type {oc.lr_scheduler_type!r}: expected constant or cosine")
-
-    @property
-    def is_param_offload_enabled(self) -> bool:
-        return self.engine_config.param_offload
-
-    @property
-    def is_optimizer_offload_enabled(self) -> bool:
-        return self.engine_config.optimizer_offload
-
-    def train_mode(self, **kwargs):
-        return _ModeCtx(self, mode="train", **kwargs)
-
-    def eval_mode(self, **kwargs):
-        return _ModeCtx(self, mode="eval", **kwargs)
-
-    # ---- steps -------------------------------------------------------------------------------
-
-    def optimizer_zero_grad(self):
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        """Clip to `optimizer_config.clip_grad` and step; skip the step (and zero the gradients)
-        when the gradient norm is not finite. Returns the norm before clipping."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        grad_norm = core.total_grad_norm(grads)
-        self.last_step_skipped = not math.isfinite(grad_norm)
-        if self.last_step_skipped:
-            logger.warning("verl_moe: non-finite grad norm %s, optimizer step skipped", grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm
-        clip = self.optimizer_config.clip_grad
-        coef = clip / (grad_norm + 1e-6)
-        if coef < 1.0:
-            core.scale_grads_(grads, coef)
-        self.optimizer.step()
-        return grad_norm
-
-    def lr_scheduler_step(self) -> float:
-        self.lr_scheduler.step()
-        return self.lr_scheduler.get_last_lr()[0]
-
-    def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only=False) -> dict:
-        """Micro-batch `data`, run the spec + log-prob head, call `loss_function`, backward.
-
-        Returns {"model_output": {"log_probs", "entropy"?: nested [N, j]} (in `data`'s order;
-        empty when training unless `return_model_output`), "loss": [float per micro-batch],
-        "metrics": {key: [value per micro-batch]}}.
-        """
-        core.check_batch_options(data)
-        dp_group = self.get_data_parallel_group()
-        tu.assign_non_tensor(
-            data, batch_num_tokens=core.global_token_count(data, dp_group), dp_size=self.get_data_parallel_size()
-        )
-        calculate_entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
-        keep_output = forward_only or bool(tu.get_non_tensor_data(data, "return_model_output", False))
-        # the batch's switches (verl's TrainingWorker always sets them), else this engine's config
-        ec, sp = self.engine_config, self.layout.sequence_parallel_size
-        if forward_only:
-            default_size, default_tokens = ec.infer_micro_batch_size_per_gpu, ec.infer_max_token_len_per_gpu
-        else:
-            default_size, default_tokens = ec.micro_batch_size_per_gpu, ec.max_token_len_per_gpu
-        max_token_len = tu.get_non_tensor_data(data, "max_token_len_per_gpu", default_tokens)
-        indices = core.split_micro_batches(
-            data["input_ids"].offsets().diff().tolist(),
-            use_dynamic_bsz=bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", ec.use_dynamic_bsz)),
-            micro_batch_size=tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", default_size),
-            # an SP group shares one micro-batch over its ranks: verl's budget is per rank
-            max_token_len=None if max_token_len is None else max_token_len * sp,
-            dp_group=dp_group,
-        )
-        defer_sync = self.layout.defer_grad_sync
-        outputs = []
-        for i, micro_indices in enumerate(indices):
-            micro_batch = core.select_micro_batch(data, micro_indices).to(self.device)
-            if not forward_only:
-                self.module.set_requires_gradient_sync(i == len(indices) - 1 or not defer_sync)
-            packed = core.pack_micro_batch(micro_batch, self.device)
-            log_probs, entropy = packed_log_probs(
-                self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
-            )
-            model_output = {"log_probs": core.unpack_to_nested(log_probs, packed)}
-            if entropy is not None:
-                model_output["entropy"] = core.unpack_to_nested(entropy, packed)
-            loss, metrics = None, {}
-            if loss_function is not None:
-                loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
-            if not forward_only:
-                if loss is None:
-                    raise ValueError("training needs a loss_function")
-                loss.backward()
-            outputs.append(
-                {
-                    "model_output": {k: v.detach() for k, v in model_output.items()} if keep_output else {},
-                    "loss": 0.0 if loss is None else loss.detach().item(),
-                    "metrics": metrics,
-                }
-            )
-        return core.merge_outputs(outputs, indices)
-
-    def train_batch(self, data: TensorDict, loss_function: Callable) -> dict:
-        """One optimizer step on `data`; adds "grad_norm" and "grad_norm_nonfinite" (1.0 = step skipped)."""
-        self.optimizer_zero_grad()
-        outputs = self.forward_backward_batch(data, loss_function, forward_only=False)
-        grad_norm = self.optimizer_step()
-        outputs["metrics"]["grad_norm"] = grad_norm
-        outputs["metrics"]["grad_norm_nonfinite"] = [float(self.last_step_skipped)]
-        return outputs
-
-    # ---- weights out -------------------------------------------------------------------------
-
-    def get_per_tensor_param(self, layout: str = "vllm", **kwargs) -> tuple[Generator, None]:
-        """(generator of (name, full tensor), None). Every rank must consume it (each tensor is
-        all-gathered). layout "vllm": experts split per expert in vLLM's names (what verl's rollout
-        loads); "hf": transformers names with fused experts. A tied lm_head is left out."""
-        if layout not in ("vllm", "hf"):
-            raise ValueError(f"layout must be 'vllm' or 'hf', got {layout!r}")
-
-        def full_tensors():
-            with self._params_on_device():
-                yield from ckpt.full_named_tensors(self.module.model)
-
-        named = full_tensors()
-        return (to_vllm_named_tensors(named) if layout == "vllm" else named), None
-
-    def get_per_tensor_param_shard(self, **kwargs) -> tuple[Generator, None]:
-        """(generator of (transformers name, this rank's local shard flat in bf16, verl `ShardSpec`), None)
-        for verl's sharded delta checkpoint engine: no collective, the same names in the same order on
-        every rank; bf16 is what the rollout holds, so an update that rounds away is not shipped."""
-        from verl.workers.engine.spec import ShardSpec
-
-        def local_shards():
-            with self._params_on_device():
-                for name, tensor in ckpt.exported_state(self.module.model):
-                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                    if local.is_floating_point():
-                        local = local.to(torch.bfloat16)
-                    yield name, local.reshape(-1), ShardSpec.from_param(tensor)
-
-        return local_shards(), None
-
-    def get_per_tensor_param_delta_shard(self, **kwargs) -> tuple[Generator, None]:
-        """verl's delta export: per parameter, the elements changed since the last export (or since
-        `prime_delta_snapshots`) in vLLM's names and coordinates (`core.vllm_delta_entry`)."""
-        from verl.workers.engine.utils import hf_delta_export
-
-        gen, _ = self.get_per_tensor_param_shard()
-        return hf_delta_export(gen, self._delta_shard_snap, core.vllm_delta_entry), None
-
-    # ---- parallel layout ---------------------------------------------------------------------
-
-    def get_data_parallel_size(self):
-        """Ranks holding different data: the world over the sequence-parallel size."""
-        return dist.get_world_size() // self.layout.sequence_parallel_size
-
-    def get_data_parallel_rank(self):
-        return self.dp_rank
-
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    # ---- placement and checkpoints -----------------------------------------------------------
-
-    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """Move sharded parameters (with their gradients) and/or optimizer state to `device`
-        ("cpu" or this process's accelerator type)."""
-        super().to(device=device, model=model, optimizer=optimizer, grad=grad)
-        target = torch.device("cpu") if device == "cpu" else self.device
-        if device not in ("cpu", self.device.type):
-            raise ValueError(f"device must be 'cpu' or {self.device.type!r}, got {device!r}")
-        if self.layout.fsdp_cpu_offload:
-            return  # FSDP2's CPUOffloadPolicy owns parameter placement
-        if model:
-            ckpt.move_module(self.module, target)
-        if optimizer and self.optimizer is not None:
-            ckpt.move_optimizer_state(self.optimizer, target)
-
-    @contextmanager
-    def _params_on_device(self, optimizer: bool = False):
-        """Parameters (and optimizer state) on the compute device for the duration, so every
-        state_dict / collective sees one device; offloaded placement is restored afterwards."""
-        offloaded_model = self.is_param_offload_enabled and not self.layout.fsdp_cpu_offload
-        offloaded_optim = optimizer and self.is_optimizer_offload_enabled
-        if offloaded_model or offloaded_optim:
-            self.to(self.device.type, model=offloaded_model, optimizer=offloaded_optim, grad=offloaded_model)
-        try:
-            yield
-        finally:
-            if offloaded_model or offloaded_optim:
-                self.to("cpu", model=offloaded_model, optimizer=offloaded_optim, grad=offloaded_model)
-
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        """Model, optimizer, LR schedule and RNG via torch.distributed.checkpoint, written to
-        `<local_path>.tmp` and renamed when complete (`engines/checkpoint.py`: a kill at any
-        instant keeps a loadable checkpoint); an HF safetensors export when
-        `checkpoint_config.save_contents` holds "hf_model". `max_ckpt_to_keep` counts distinct
-        paths: saving to a path again makes it the newest, and the path just saved is never pruned."""
-        if hdfs_path is not None:
-            raise ValueError("hdfs_path is not supported by MoeFsdp2Engine; copy local_path yourself")
-        contents = ckpt.checkpoint_contents(self.checkpoint_config, "save")
-        with self._params_on_device(optimizer=True):
-            path = ckpt.save(
-                local_path,
-                model=self.module.model,
-                optimizer=self.optimizer if "optimizer" in contents else None,
-                lr_scheduler=self.lr_scheduler if "extra" in contents else None,
-                global_step=global_step,
-                hf_export="hf_model" in contents,
-            )
-        self._saved_checkpoints = [p for p in self._saved_checkpoints if p != path] + [path]
-        if max_ckpt_to_keep:
-            self._saved_checkpoints = ckpt.prune(self._saved_checkpoints, max_ckpt_to_keep)
-
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        """Restore what `save_checkpoint` wrote: model and optimizer on any world size, LR schedule
-        and RNG ("extra") on the same one. Every rank checks its files first; on a problem all
-        raise `ckpt.CheckpointError` (a ValueError; `CheckpointNotFoundError` for a missing file)
-        before anything is restored. `del_local_after_load` is accepted for verl's signature and
-        ignored (local checkpoints are never deleted)."""
-        if hdfs_path is not None:
-            raise ValueError("hdfs_path is not supported by MoeFsdp2Engine")
-        contents = ckpt.checkpoint_contents(self.checkpoint_config, "load")
-        with self._params_on_device(optimizer=True):
-            ckpt.load(
-                local_path,
-                model=self.module.model,
-                optimizer=self.optimizer if "optimizer" in contents else None,
-                lr_scheduler=self.lr_scheduler if "extra" in contents else None,
-            )
-
-    def is_mp_src_rank_with_outputs(self):
-        """True on the first rank of each sequence-parallel group (every rank without SP): the ranks
-        of one group hold the same gathered outputs, and verl collects one copy per data-parallel rank."""
-        return self.sequence_parallel is None or self.sequence_parallel.rank == 0

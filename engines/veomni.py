@@ -1,8 +1,8 @@
 """`MoeVeOmniEngine`: verl's BaseEngine for `model_engine=veomni` on our Qwen3.5-MoE / Qwen3-MoE
 spec, laid out by VeOmni's parallel state.
 
-It is `MoeFsdp2Engine` (data path, loss call, micro-batching, router in fp32, checkpoints,
-weights out) with three differences:
+A sibling of `MoeFsdp2Engine`: both are `engines/base.py`'s `MoeEngineBase` (data path, loss call,
+micro-batching, router in fp32, weights out, checkpoints); they differ in three things:
 
 - Layout: VeOmni's `init_parallel_state` builds the meshes from verl's `VeOmniEngineConfig`
   the way verl's own VeOmni engine does: dp = world / ulysses_parallel_size, split into
@@ -26,7 +26,7 @@ import torch
 from veomni.distributed import parallel_state as veomni_parallel_state
 from veomni.optim import build_lr_scheduler
 from verl.workers.config import VeOmniOptimizerConfig
-from verl_moe.engines.fsdp2 import MoeFsdp2Engine
+from verl_moe.engines.base import MoeEngineBase
 from verl_moe.models.parallel import ExpertParallelGroup, UlyssesGroup
 from verl_moe.models.parallelize import ExpertPlan
 from verl_moe.ops import device
@@ -71,7 +71,7 @@ def check_optimizer_config(optimizer_config) -> None:
         )
 
 
-class MoeVeOmniEngine(MoeFsdp2Engine):
+class MoeVeOmniEngine(MoeEngineBase):
     """verl engine for `model_engine=veomni` and the model types of `verl_moe.models.SPECS`.
 
     Args (as verl passes them): model_config (HFModelConfig), engine_config (verl's

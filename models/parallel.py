@@ -21,7 +21,7 @@ their parameters shard is `models/parallelize.py`. The ops take a group by duck 
 
   The per-rank parameter slices are views of the unsharded parameters inside the FSDP unit, so
   gradients land in the right rows. The engine side (slicing a packed row, gathering per-token
-  results) is `engines/ulysses.py`.
+  results) is `engines/batch.py` and `engines/logprob_model.py`.
 - `ExpertParallelGroup`: expert parallelism; each rank holds E / size routed experts
   (`ops/experts/expert_parallel.py` moves the token copies).
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_setup import make_batch
 from verl.utils import tensordict_utils as tu
-from verl_moe.engines import core
+from verl_moe.engines import batch
 
 
 def _padded_sequences(batch_size, prompt_len, response_len, seed):
@@ -21,7 +21,7 @@ def test_pack_matches_per_sequence_concatenation():
     data, ids, positions = _padded_sequences(5, 6, 4, seed=0)
     temperature = torch.tensor([0.5, 1.0, 1.5, 2.0, 0.7])
     data["temperature"] = temperature
-    packed = core.pack_micro_batch(data, torch.device("cpu"))
+    packed = batch.pack_micro_batch(data, torch.device("cpu"))
     flat = torch.cat(ids)
     assert torch.equal(packed.input_ids, flat[None])
     assert torch.equal(packed.position_ids, torch.cat(positions)[None])
@@ -38,35 +38,35 @@ def test_pack_matches_per_sequence_concatenation():
 def test_scalar_temperature_and_unpack_round_trip():
     data, ids, _ = _padded_sequences(3, 5, 5, seed=1)
     tu.assign_non_tensor(data, temperature=0.8)
-    packed = core.pack_micro_batch(data, torch.device("cpu"))
+    packed = batch.pack_micro_batch(data, torch.device("cpu"))
     assert torch.all(packed.temperature == 0.8)
-    nested = core.unpack_to_nested(packed.input_ids[0].float(), packed)
+    nested = batch.unpack_to_nested(packed.input_ids[0].float(), packed)
     assert [t.long().tolist() for t in nested.unbind()] == [t.tolist() for t in ids]
     with pytest.raises(ValueError, match="per-token values"):
-        core.unpack_to_nested(torch.zeros(packed.num_tokens + 1), packed)
+        batch.unpack_to_nested(torch.zeros(packed.num_tokens + 1), packed)
 
 
 def test_micro_batches_by_count():
-    assert core.split_micro_batches([3] * 5, use_dynamic_bsz=False, micro_batch_size=2, max_token_len=None) == [
+    assert batch.split_micro_batches([3] * 5, use_dynamic_bsz=False, micro_batch_size=2, max_token_len=None) == [
         [0, 1],
         [2, 3],
         [4],
     ]
     with pytest.raises(ValueError, match="larger than the batch"):
-        core.split_micro_batches([3] * 2, use_dynamic_bsz=False, micro_batch_size=4, max_token_len=None)
+        batch.split_micro_batches([3] * 2, use_dynamic_bsz=False, micro_batch_size=4, max_token_len=None)
 
 
 @pytest.mark.parametrize("budget", [9, 16, 40])
 def test_micro_batches_by_token_budget(budget):
     lens = [9, 1, 4, 7, 3, 3, 8, 2]
-    bins = core.split_micro_batches(lens, use_dynamic_bsz=True, micro_batch_size=None, max_token_len=budget)
+    bins = batch.split_micro_batches(lens, use_dynamic_bsz=True, micro_batch_size=None, max_token_len=budget)
     assert sorted(i for b in bins for i in b) == list(range(len(lens)))
     assert len(bins) == -(-sum(lens) // budget)
     loads = [sum(lens[i] for i in b) for b in bins]
     assert max(loads) - min(loads) <= max(lens)  # greedy longest-first balance bound
     assert all(b == sorted(b) for b in bins)
     with pytest.raises(ValueError, match="exceeds max_token_len"):
-        core.split_micro_batches(lens, use_dynamic_bsz=True, micro_batch_size=None, max_token_len=8)
+        batch.split_micro_batches(lens, use_dynamic_bsz=True, micro_batch_size=None, max_token_len=8)
 
 
 def test_merge_outputs_restores_batch_order():
@@ -80,15 +80,15 @@ def test_merge_outputs_restores_batch_order():
         }
         for k, b in enumerate(bins)
     ]
-    merged = core.merge_outputs(outputs, bins)
+    merged = batch.merge_outputs(outputs, bins)
     assert [t.tolist() for t in merged["model_output"]["log_probs"].unbind()] == [r.tolist() for r in rows]
     assert merged["loss"] == [0.0, 1.0] and merged["metrics"] == {"m": [0, 1]}
 
 
-@pytest.mark.parametrize("switch", core.UNSUPPORTED_SWITCHES)
+@pytest.mark.parametrize("switch", batch.UNSUPPORTED_SWITCHES)
 def test_unsupported_switches_raise(switch):
     data = make_batch(2, 3, 3, seed=2)
-    core.check_batch_options(data)
+    batch.check_batch_options(data)
     tu.assign_non_tensor(data, **{switch: True})
     with pytest.raises(ValueError, match=switch):
-        core.check_batch_options(data)
+        batch.check_batch_options(data)

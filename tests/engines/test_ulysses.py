@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from dist import spawn
 from engine_setup import make_batch
-from verl_moe.engines import core
-from verl_moe.engines.ulysses import slice_packed
+from verl_moe.engines import batch
+from verl_moe.engines.batch import slice_packed
 from verl_moe.models.parallel import UlyssesGroup
 from verl_moe.ops.attention import causal_attention_ref
 
@@ -18,7 +18,7 @@ from verl_moe.ops.attention import causal_attention_ref
 def _ulysses_matches_single_process(rank: int, world_size: int) -> None:
     sp = UlyssesGroup(group=dist.group.WORLD, size=world_size, rank=rank)
 
-    packed = core.pack_micro_batch(make_batch(3, 4, 4, seed=7), torch.device("cpu"))
+    packed = batch.pack_micro_batch(make_batch(3, 4, 4, seed=7), torch.device("cpu"))
     local, pad = slice_packed(packed, sp)
     assert pad == -packed.num_tokens % world_size and local.cu_seqlens[-1] == packed.num_tokens + pad
     assert torch.equal(sp.gather_tokens(local.input_ids[0], pad), packed.input_ids[0])

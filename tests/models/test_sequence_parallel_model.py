@@ -15,8 +15,7 @@ import torch.distributed as dist
 import verl_moe.models as vm
 from dist import spawn
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
-from verl_moe.engines.core import PackedBatch
-from verl_moe.engines.ulysses import slice_packed
+from verl_moe.engines.batch import PackedBatch, slice_packed
 from verl_moe.models.parallel import UlyssesGroup
 from verl_moe.ops.testing import assert_rel_rms
 

@@ -1,0 +1,259 @@
+"""Batches in and out of our engines: pure functions over verl's TensorDict micro-batches.
+
+verl hands an engine a TensorDict whose sequences are jagged nested tensors (`input_ids`,
+`position_ids`, `loss_mask`, ...; layout `[N, j]`) plus non-tensor switches (`temperature`,
+`use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`, `calculate_entropy`).
+Here: refuse switches we do not implement (`check_batch_options`), split a batch into micro-batches
+that every data-parallel rank agrees on (`split_micro_batches`), pack one micro-batch into one row
+(`[1, T]` with `cu_seqlens`: `pack_micro_batch`), slice that row over a Ulysses group
+(`slice_packed`), and turn per-token results back into nested tensors in verl's sequence order
+(`unpack_to_nested`, `merge_outputs`). The only collectives are the agreements over the
+data-parallel group (`global_token_count`, `split_micro_batches`).
+
+Alphabet: N sequences in a micro-batch, T packed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.py_functional import append_to_dict
+from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.ops import device
+
+# Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
+UNSUPPORTED_SWITCHES = (
+    "calculate_sum_pi_squared",
+    "distillation_use_topk",
+    "distillation_only",
+    "enable_routing_replay",
+)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch as a single packed row.
+
+    input_ids, position_ids: [1, T] int64, memory-contiguous; positions as verl computed them
+        (each sequence counts from its first real token).
+    cu_seqlens: [N+1] int32, sequence boundaries in the packed row.
+    labels: [T] int64, the packed row shifted left by one (labels[t] = input_ids[t+1]); the
+        label of each sequence's last token is never read by verl's losses.
+    temperature: [T] fp32, each sequence's sampling temperature repeated over its tokens.
+    offsets: [N+1] int64, the nested tensors' offsets (what unpacking returns to).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    labels: torch.Tensor
+    temperature: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def check_batch_options(data: TensorDict) -> None:
+    """Raise ValueError for verl batch switches our engines do not implement."""
+    pad_mode = tu.get_non_tensor_data(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+    if pad_mode != DatasetPadMode.NO_PADDING:
+        raise ValueError(f"verl_moe engines take NO_PADDING (nested) batches, got pad_mode={pad_mode}")
+    for key in UNSUPPORTED_SWITCHES:
+        if tu.get_non_tensor_data(data=data, key=key, default=False):
+            raise ValueError(f"verl_moe engines do not implement {key}=True")
+    if not data["input_ids"].is_nested:
+        raise ValueError("verl_moe engines expect jagged nested input_ids (verl's left_right_2_no_padding)")
+    if data["position_ids"].dim() != 2:
+        raise ValueError(
+            f"verl_moe engines take text position_ids [N, j]; got {data['position_ids'].dim()}-D (multimodal mRoPE ids)"
+        )
+
+
+def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBatch:
+    """Nested `input_ids` / `position_ids` / `temperature` of one micro-batch -> `PackedBatch` on `device`."""
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets().to(torch.int64)
+    seq_lens = offsets.diff()
+    ids = input_ids.values().to(device=device, dtype=torch.int64).contiguous()
+    # .values() of a nested tensor can be a strided view; kernels index positions by pointer.
+    positions = micro_batch["position_ids"].values().to(device=device, dtype=torch.int64).contiguous()
+    if positions.shape != ids.shape:
+        raise ValueError(f"position_ids hold {positions.numel()} tokens, input_ids {ids.numel()}")
+    temperature = micro_batch["temperature"]
+    if isinstance(temperature, torch.Tensor):
+        per_seq = temperature.to(device=device, dtype=torch.float32).reshape(-1)
+        if per_seq.numel() != seq_lens.numel():
+            raise ValueError(f"temperature has {per_seq.numel()} entries for {seq_lens.numel()} sequences")
+        per_token = torch.repeat_interleave(per_seq, seq_lens.to(device))
+    else:
+        per_token = torch.full(ids.shape, float(temperature), dtype=torch.float32, device=device)
+    return PackedBatch(
+        input_ids=ids.unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        cu_seqlens=offsets.to(device=device, dtype=torch.int32),
+        labels=torch.roll(ids, shifts=-1, dims=0),
+        temperature=per_token,
+        offsets=offsets,
+    )
+
+
+def unpack_to_nested(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[T] per-token values -> jagged nested [N, j] with the micro-batch's offsets."""
+    if values.shape[0] != packed.num_tokens:
+        raise ValueError(f"expected {packed.num_tokens} per-token values, got {values.shape[0]}")
+    return torch.nested.nested_tensor_from_jagged(values, packed.offsets.to(values.device))
+
+
+def global_token_count(data: TensorDict, dp_group) -> int:
+    """Sum of `loss_mask` over the whole data-parallel batch (verl's `batch_num_tokens`)."""
+    loss_mask = data["loss_mask"]
+    # on the accelerator: NCCL / HCCL reduce only device tensors
+    local = (loss_mask.values() if loss_mask.is_nested else loss_mask).sum().to(device.current_device(), torch.int64)
+    local = local.reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=dp_group)
+    return int(local.item())
+
+
+def _balanced_bins(seq_lens: list[int], num_bins: int) -> list[list[int]]:
+    """Longest-processing-time greedy: each sequence (longest first) to the lightest bin."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        target = min(range(num_bins), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += seq_lens[i]
+    return [sorted(b) for b in bins]
+
+
+def _agreed_max(values: list[int], problem: str | None, dp_group) -> list[int]:
+    """Max of each of `values` over the data-parallel group (pass -x for a min). When any rank has a
+    `problem`, every rank raises it as a ValueError (so none is left waiting in a collective)."""
+    local = torch.tensor([int(problem is not None), *values], dtype=torch.int64, device=device.current_device())
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=dp_group)
+    failed, *agreed = local.tolist()
+    if failed:
+        problems = [problem]
+        if dist.is_initialized():
+            problems = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(problems, problem, group=dp_group)
+        rank, message = next((rank, p) for rank, p in enumerate(problems) if p is not None)
+        raise ValueError(message if problem is not None else f"data-parallel rank {rank}: {message}")
+    return agreed
+
+
+def split_micro_batches(
+    seq_lens: list[int],
+    *,
+    use_dynamic_bsz: bool,
+    micro_batch_size: int | None,
+    max_token_len: int | None,
+    dp_group=None,
+) -> list[list[int]]:
+    """Indices of each micro-batch; every data-parallel rank gets the same count (FSDP runs its
+    collectives once per forward, so a rank with one forward more would wait forever).
+
+    By count: consecutive chunks of `micro_batch_size` sequences (the last may be shorter); the
+    ranks must hold as many chunks (verl's dispatch gives them equal batches), else all raise.
+    Dynamic: k = ceil(tokens / max_token_len), raised to the largest k over the data-parallel
+    group, then balanced by tokens.
+
+    Raises ValueError, on every rank of `dp_group` together, on an empty batch, a micro-batch
+    size larger than the batch, a sequence longer than `max_token_len`, ranks whose counts differ
+    (by count) or a rank with fewer sequences than the agreed count (dynamic).
+    """
+    n = len(seq_lens)
+    problem = None
+    if n == 0:
+        problem = "empty batch"
+    elif use_dynamic_bsz:
+        if max_token_len is None or max_token_len <= 0:
+            problem = f"use_dynamic_bsz needs max_token_len_per_gpu > 0, got {max_token_len}"
+        elif max(seq_lens) > max_token_len:
+            problem = f"a sequence of {max(seq_lens)} tokens exceeds max_token_len_per_gpu={max_token_len}"
+        count = 0 if problem else -(-sum(seq_lens) // max_token_len)
+        num_bins, neg_fewest = _agreed_max([count, -n], problem, dp_group)
+        if num_bins > -neg_fewest:
+            raise ValueError(
+                f"{num_bins} micro-batches needed to match the ranks' largest token count, but a "
+                f"data-parallel rank holds only {-neg_fewest} sequences (this rank: {n})"
+            )
+        return _balanced_bins(seq_lens, num_bins)
+    elif micro_batch_size is None or micro_batch_size <= 0:
+        problem = f"micro_batch_size_per_gpu must be positive, got {micro_batch_size}"
+    elif micro_batch_size > n:
+        problem = f"micro_batch_size_per_gpu={micro_batch_size} is larger than the batch on this rank ({n})"
+    count = 0 if problem else -(-n // micro_batch_size)
+    most, neg_least = _agreed_max([count, -count], problem, dp_group)
+    if most != -neg_least:
+        raise ValueError(
+            f"data-parallel ranks hold {-neg_least} to {most} micro-batches of micro_batch_size_per_gpu="
+            f"{micro_batch_size} (this rank: {n} sequences, {count}); every rank must run as many "
+            "forwards: give the ranks equal batches, or use_dynamic_bsz"
+        )
+    return [list(range(start, min(start + micro_batch_size, n))) for start in range(0, n, micro_batch_size)]
+
+
+def select_micro_batch(data: TensorDict, indices: list[int]) -> TensorDict:
+    """Rows `indices` of `data` (nested tensors re-packed, non-tensor switches kept)."""
+    return tu.index_select_tensor_dict(data, indices)
+
+
+def merge_outputs(outputs: list[dict], micro_batch_indices: list[list[int]]) -> dict:
+    """Per-micro-batch {"model_output", "loss", "metrics"} -> verl's forward_backward_batch result.
+
+    model_output tensors are nested [N, j]; they come back in the batch's original sequence
+    order. "loss" is the list of per-micro-batch floats; "metrics" maps each key to the list of
+    per-micro-batch values (verl `Metric`s aggregate themselves).
+    """
+    order = [i for indices in micro_batch_indices for i in indices]
+    model_output: dict[str, torch.Tensor] = {}
+    keys = outputs[0].get("model_output", {}).keys()
+    for key in keys:
+        rows = [row for out in outputs for row in out["model_output"][key].unbind()]
+        restored: list[torch.Tensor | None] = [None] * len(order)
+        for position, original in enumerate(order):
+            restored[original] = rows[position]
+        model_output[key] = torch.nested.as_nested_tensor(restored, layout=torch.jagged)
+    metrics: dict = {}
+    for out in outputs:
+        append_to_dict(metrics, out["metrics"])
+    return {"model_output": model_output, "loss": [out["loss"] for out in outputs], "metrics": metrics}
+
+
+def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, int]:
+    """This rank's T/sp tokens of a packed row, padded to a multiple of sp, and the pad size.
+
+    input_ids, position_ids, labels, temperature are sliced; cu_seqlens stays global (the
+    sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more sequence.
+    """
+    total = packed.num_tokens
+    pad = -total % sp.size
+    ids, pos = packed.input_ids, packed.position_ids
+    labels, temperature, cu = packed.labels, packed.temperature, packed.cu_seqlens
+    if pad:
+        ids = torch.nn.functional.pad(ids, (0, pad))
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)[None]], dim=1)
+        labels = torch.nn.functional.pad(labels, (0, pad))
+        temperature = torch.nn.functional.pad(temperature, (0, pad), value=1.0)
+        cu = torch.cat([cu, cu.new_tensor([total + pad])])
+    local = slice(sp.rank * (total + pad) // sp.size, (sp.rank + 1) * (total + pad) // sp.size)
+    return (
+        replace(
+            packed,
+            input_ids=ids[:, local],
+            position_ids=pos[:, local],
+            labels=labels[local],
+            temperature=temperature[local],
+            cu_seqlens=cu,
+        ),
+        pad,
+    )
