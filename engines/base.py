@@ -111,7 +111,10 @@ class MoeEngineBase(BaseEngine):
         from verl_moe.ops.logprob import logprobs_and_entropy
 
         ops = ops_config(self.engine_config)
-        model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", ops=ops)
+        # ops are chosen for the compute dtype (fp32 master weights compute in bf16 under mixed
+        # precision); a vision-language config trains its text decoder until the engines feed images
+        picks = {"ops": ops, "compute_dtype": self.compute_dtype, "text_only": True}
+        model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", **picks)
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
         module = LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
@@ -119,7 +122,7 @@ class MoeEngineBase(BaseEngine):
         module.to_empty(device=self.device)
         full_state = {}
         if self.rank == 0:
-            full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", ops=ops)
+            full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", **picks)
             full_state = full_state.state_dict()
         set_model_state_dict(
             module.model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -202,7 +202,9 @@ class MoeRolloutAdapter(BaseRollout):
         """Allocate the rollout model (uninitialised: update_weights fills every parameter)."""
         if self._model is not None:
             return
-        model = build(self.model_config.hf_config, dtype=self.dtype, device="meta", ops=self.options.ops)
+        # the text decoder of a vision-language config: the rollout generates text from text prompts
+        config = self.model_config.hf_config
+        model = build(config, dtype=self.dtype, device="meta", ops=self.options.ops, text_only=True)
         model.to_empty(device=self._device())
         if model.arch.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

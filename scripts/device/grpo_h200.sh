@@ -31,6 +31,11 @@ else
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16
     actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16 actor_rollout_ref.rollout.dtype=bfloat16)
 fi
+# SAMPLE=1: every Python process of the run samples its stacks (scripts/device/sampler) into
+# $OUT/samples.txt: where the trainer's time goes, by process
+if [ "${SAMPLE:-0}" = 1 ]; then
+  export PYTHONPATH=$PWD/scripts/device/sampler:$PYTHONPATH VERL_MOE_SAMPLE_DIR=/tmp/samples && rm -rf /tmp/samples
+fi
 WORK=${GRPO_WORK:-/tmp/grpo} && rm -rf "$WORK"
 timeout 90 "$PY" scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8 || exit 1
 # dynamic micro-batches of up to 16k tokens (the trainer) and 32k (log-probs of the actor and the
@@ -49,6 +54,10 @@ tail -c 4000000 "$WORK.log" > "$OUT/main_ppo.log"
 # Ray's daemons outlive main_ppo when the timeout stops it (device only: here it would stop every
 # Ray cluster of this user)
 [ "${GRPO_CPU:-0}" = 1 ] || "$PY" -m ray.scripts.scripts stop --force > /dev/null 2>&1
+if [ "${SAMPLE:-0}" = 1 ]; then  # the processes with the most samples first
+  for f in $(grep -H -o "samples [0-9]*" /tmp/samples/*.txt | sort -t' ' -k2 -n -r | head -8 | cut -d: -f1); do
+    cat "$f"; echo; done | head -c 4000000 > "$OUT/samples.txt"
+fi
 cp "$WORK/tiny_cpu.jsonl" "$OUT/grpo.jsonl" 2>/dev/null || { echo "no metrics file"; exit 1; }
 # generation tokens/s: response tokens / timing_s/gen; training: prompt + response tokens /
 # timing_s/update_actor (verl's timing_per_token_ms); step 1 includes the first calls' Triton compiles
