@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ops import device
+from ..ops.common.timing import kernel_ms, time_ms
 from ..ops.testing import rel_rms
 from .report import environment, render_table
 
@@ -49,35 +48,6 @@ def bench_ops() -> list[str]:
     from .. import ops
 
     return [*sorted(p.parent.name for p in Path(ops.__file__).parent.glob("*/bench.py")), "model"]
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median wall time in ms of `reps` synchronised calls of `fn`."""
-    times = []
-    for _ in range(reps):
-        device.synchronize()
-        start = time.perf_counter()
-        fn()
-        device.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def kernel_ms(fn, reps: int) -> float:
-    """Device time in ms per call of `fn`: the sum of its kernels' durations under the torch profiler
-    (CUDA only; NaN elsewhere). Unlike `time_ms` it leaves out the host's launch and autograd path,
-    which dominates sub-millisecond ops timed alone but overlaps the GPU's work inside a training
-    step (the step's profile is ~94% GPU-busy)."""
-    if device.device_type() != "cuda":
-        return float("nan")
-    from torch.profiler import ProfilerActivity, profile
-
-    device.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        device.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
 
 
 def _peak_extra_gib(fn) -> float:
