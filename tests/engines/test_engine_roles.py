@@ -111,3 +111,27 @@ def test_trainable_veomni_engine_refuses_plain_optimizer_config(tmp_path):
         MoeVeOmniEngine(
             HFModelConfig(path=path, load_tokenizer=False), MoeVeOmniEngineConfig(), OptimizerConfig(), None
         )
+
+
+def test_vision_language_checkpoint_trains_its_text_decoder(tmp_path, world_of_one):
+    """A Qwen3.5-MoE vision-language checkpoint (real Qwen3.5-35B-A3B folders are): both engines build
+    its text decoder (the vision tower is not fed yet) from `model.language_model.*`, and give plain
+    autograd's log-probs of that decoder."""
+    from engine_setup import tiny_config
+    from transformers import Qwen3_5MoeConfig
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(0)
+    vl = vm.build(Qwen3_5MoeConfig(text_config=tiny_config().to_dict(), vision_config=vision))
+    assert isinstance(vl, vm.MoeVisionLM)
+    path = str(tmp_path / "vl")
+    vm.save_pretrained(vl, path)
+    data = make_batch(BATCH, PROMPT, RESPONSE, seed=3)
+    with torch.no_grad():
+        expected, _ = reference_log_probs(vm.from_pretrained(path, text_only=True), data)
+    for backend in ("fsdp2", "veomni"):
+        engine = _build(path, backend, "ref")
+        assert not any(".visual." in name for name, _ in engine.module.named_parameters()), backend
+        for i, got in enumerate(_infer(engine, data)[0]):
+            assert (got[:-1] - expected.unbind()[i][:-1]).abs().max().item() <= 1e-5, (backend, i)
