@@ -2,11 +2,12 @@
 GPTModel against our fp64 reference.
 
 CPU: the conversion (exact round trip; the fused-QKV layout against a hand-built example) needs no
-megatron. With megatron-core installed, GPTModel runs forward + backward on CPU after three stand-ins
-for CUDA-only calls on its path (`_megatron_on_cpu`: it is not the backend, which needs CUDA and says
-so): its fp32 log-probs, entropy, loss, gradients (mapped to HF names) and routing must equal the fp64
-reference at fp32 precision. megatron's optimizer creates CUDA tensors, so the K-step runs are GPU
-tests (`align.run` with the backend itself).
+megatron. With megatron-core installed, GPTModel runs forward + backward on CPU after stand-ins for
+the CUDA-only calls on its path (`_megatron_on_cpu`: it is not the backend, which needs CUDA and says
+so; for Qwen3.5-MoE also fla's two calls in GatedDeltaNet): its fp32 log-probs, entropy, loss,
+gradients (mapped to HF names) and routing must equal the fp64 reference at fp32 precision.
+megatron's optimizer creates CUDA tensors, so the K-step runs are GPU tests (`align.run` with the
+backend itself).
 
 Tolerances (megatron fp32 vs reference fp64, tiny preset):
 | quantity                            | bound                  |
@@ -21,6 +22,7 @@ Tolerances (megatron fp32 vs reference fp64, tiny preset):
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 
 import pytest
@@ -87,10 +89,11 @@ def test_hf_megatron_round_trip_is_exact(overrides):
     assert ("decoder.layers.1.mlp.linear_fc1.weight" in mc) == bool(overrides)
 
 
-def test_qwen35_is_refused_with_the_reason():
+def test_qwen35_features_without_gated_delta_net_are_refused_with_the_reason():
     arch, _ = _arch("tiny-qwen3.5-moe")
-    with pytest.raises(ValueError, match="GatedDeltaNet"):
-        am.check_supported(arch)
+    am.check_supported(arch)  # the hybrid stack converts
+    with pytest.raises(ValueError, match="without GatedDeltaNet"):
+        am.check_supported(replace(arch, layer_types=("full_attention",) * len(arch.layer_types)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without CUDA")
@@ -108,15 +111,28 @@ def test_backend_is_skipped_on_cpu_with_the_reason():
 
 
 def _megatron_on_cpu() -> None:
-    """Stand-ins for the CUDA-only calls on GPTModel's forward/backward path, in this process only:
+    """Stand-ins for the CUDA-only calls on GPTModel's forward/backward path, in this process only
+    (and for fla, which megatron's GatedDeltaNet imports and which needs CUDA: its
+    `chunk_gated_delta_rule` -> megatron's own torch fallback `torch_chunk_gated_delta_rule` (16-token
+    chunks, not 64: the same result, its per-row loop 4x shorter on these <= 32-token rows), fla's
+    `l2norm` -> our ops reference's; megatron's conv1d falls back to nn.Conv1d without causal_conv1d;
+    torch.compile (megatron's `jit_fuser` on the gated norm) off: eager, 8 s of inductor saved):
     `torch.cuda.current_device()` (rotary frequencies, router weight, DDP buffers) -> "cpu";
     `torch.cuda.current_stream()` (megatron >= 0.19 DDP waits there for CUDA-graph events, none
     here) -> None; the model-parallel RNG fork around attention dropout (p = 0 here) -> no-op;
     megatron-core < 0.17's missing `te_general_gemm` -> None, the value 0.17 defines without
     TransformerEngine."""
+    from megatron.core.ssm import gated_delta_net
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils
+    from verl_moe.ops.gdn.reference import _l2norm
 
+    torch._dynamo.config.disable = True
+    gated_delta_net.HAVE_FLA = True
+    gated_delta_net.l2norm = lambda x: _l2norm(x.float()).to(x.dtype)
+    gated_delta_net.chunk_gated_delta_rule = functools.partial(
+        gated_delta_net.torch_chunk_gated_delta_rule, chunk_size=16
+    )
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: None
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
@@ -162,13 +178,18 @@ def _megatron_step0(rank: int, world: int, model_dir: str, stream_path: str, out
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "overrides, world",
-    [({}, 1), ({"mlp_only_layers": [1]}, 1), ({}, 2)],
-    ids=["all-moe", "dense-layer-1", "all-moe-dp2"],
+    "preset_name, overrides, world",
+    [
+        ("tiny-qwen3-moe", {}, 1),
+        ("tiny-qwen3-moe", {"mlp_only_layers": [1]}, 1),
+        ("tiny-qwen3-moe", {}, 2),
+        ("tiny-qwen3.5-moe", {}, 1),
+    ],
+    ids=["all-moe", "dense-layer-1", "all-moe-dp2", "qwen3.5-gdn"],
 )
-def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, overrides, world):
+def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, preset_name, overrides, world):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'verl-moe[megatron]')")
-    preset = data.get_preset("tiny-qwen3-moe")
+    preset = data.get_preset(preset_name)
     preset = replace(preset, config={**preset.config, **overrides})
     model_dir = data.create_model_dir(preset, 0, tmp_path / "model")
     stream = data.make_stream(preset.stream, preset.config["vocab_size"], 1, seed=0)

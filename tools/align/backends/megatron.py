@@ -42,8 +42,9 @@ Where it cannot run (reported by `megatron_unavailable`): without megatron-core;
 GPU (GPTModel's forward calls CUDA-only code: `torch.cuda.current_device()` in the rotary
 embedding, the model-parallel CUDA RNG tracker in attention, `torch.cuda.Stream` in the alltoall
 dispatcher); megatron-core < 0.17 without TransformerEngine (its MoE router gating reads an
-undefined `te_general_gemm`); Qwen3.5-MoE (GatedDeltaNet layers exist in megatron-core only as
-TransformerEngine + fla specs).
+undefined `te_general_gemm`). Qwen3.5-MoE (GatedDeltaNet + gated attention, (1 + w) norms,
+shared expert) builds from a local composition in `megatron_qwen35.py`; its GDN kernels come from
+fla (on a GPU; megatron refuses to build GatedDeltaNet without fla).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from verl_moe.ops.logprob.reference import logprobs_from_logits_ref
 from ..data import rank_batch
 from ..job import Job, actor_config
 from ..trace import BackendTrace, Probe, gather_step_outputs, record_steps, response_values
+from . import megatron_qwen35 as qwen35
 from .spec import BackendSpec
 
 PAD_TOKEN = 0  # what padded positions hold; their outputs are never read
@@ -109,21 +111,14 @@ def megatron_unavailable(spec: BackendSpec) -> str | None:
 def check_supported(arch) -> None:
     """Raise ValueError for what this converter does not map onto megatron's local GPT specs."""
     problems = []
-    if "linear_attention" in arch.layer_types:
-        problems.append(
-            "GatedDeltaNet layers (Qwen3.5-MoE): megatron-core has them only as TransformerEngine + fla specs"
-        )
-    if arch.attn_output_gate:
-        problems.append("gated attention output (Qwen3.5)")
-    if arch.norm_unit_offset:
-        problems.append("(1 + w) RMSNorm weights")
-    if arch.shared_expert_intermediate_size:
-        problems.append("a shared expert")
+    hybrid = "linear_attention" in arch.layer_types  # the features below come with megatron_qwen35
+    if not hybrid and (arch.attn_output_gate or arch.norm_unit_offset or arch.shared_expert_intermediate_size):
+        problems.append("Qwen3.5 features (gated attention, (1 + w) norms, shared expert) without GatedDeltaNet")
     if arch.attention_bias:
         problems.append("attention biases")
     if arch.tie_word_embeddings:
         problems.append("tied embeddings")
-    if arch.mrope_section is not None:
+    if arch.mrope_section is not None and not hybrid:
         problems.append("mRoPE")
     if problems:
         raise ValueError("the megatron backend cannot build this model: " + "; ".join(problems))
@@ -169,10 +164,14 @@ def _renamed(arch) -> list[tuple[str, str]]:
         pairs += [
             (h + "input_layernorm.weight", m + "input_layernorm.weight"),
             (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-            (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-            (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
-            (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
         ]
+        if arch.layer_types[i] != "linear_attention":
+            pairs += [
+                (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+                (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
+                (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
+            ]
+        pairs += qwen35.renamed(arch, i, h, m)
         if arch.mlp_types[i] == "moe":
             pairs.append((h + "mlp.gate.weight", m + "mlp.router.weight"))
         else:
@@ -191,9 +190,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
     for i in range(len(arch.layer_types)):
         h, m = _layer_names(i)
         attn = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], arch.num_key_value_heads
-        )
+        qwen35.to_megatron(hf, arch, i, h, m, out)  # GDN in_proj, gated qkv, shared expert
+        if arch.layer_types[i] != "linear_attention" and not arch.attn_output_gate:
+            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                hf[attn + "q_proj.weight"],
+                hf[attn + "k_proj.weight"],
+                hf[attn + "v_proj.weight"],
+                arch.num_key_value_heads,
+            )
         if arch.mlp_types[i] == "moe":
             gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
             for e in range(arch.num_experts):
@@ -213,13 +217,11 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]
     for i in range(len(arch.layer_types)):
         h, m = _layer_names(i)
         attn = h + "self_attn."
-        q, k, v = split_qkv(
-            mc[m + "self_attention.linear_qkv.weight"],
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-            arch.head_dim,
-        )
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
+        qwen35.to_hf(mc, arch, i, h, m, out)
+        if arch.layer_types[i] != "linear_attention" and not arch.attn_output_gate:
+            qkv = mc[m + "self_attention.linear_qkv.weight"]
+            q, k, v = split_qkv(qkv, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
+            out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
         if arch.mlp_types[i] == "moe":
             experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(arch.num_experts)]
             out[h + "mlp.experts.gate_up_proj"] = torch.stack([mc[x + "linear_fc1.weight"] for x in experts])
@@ -283,6 +285,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **qwen35.config_kwargs(arch),
     )
 
 
@@ -291,7 +294,10 @@ def build_gpt_model(config, arch):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if "linear_attention" in arch.layer_types:
+        spec = qwen35.decoder_block_spec(config, arch)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta
     return GPTModel(
         config=config,
