@@ -109,6 +109,23 @@ _MID_Q3 = dict(  # ~0.7B parameters: fits fp64 + Adam on one H200
     norm_topk_prob=True,
     initializer_range=0.02,
 )
+_MID_Q35 = dict(  # ~0.5B parameters (experts 0.40B): fp64 + Adam and three bf16 backends share one H200
+    vocab_size=32000,  # documented smaller vocabulary (the released models have 248k); the stream is random ids
+    hidden_size=1024,
+    num_hidden_layers=8,  # 6 GatedDeltaNet + 2 full attention (full_attention_interval 4, as released)
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,  # 25% rotary: 32 dims
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    num_experts=64,
+    num_experts_per_tok=8,
+    initializer_range=0.02,
+)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -120,6 +137,14 @@ PRESETS: dict[str, Preset] = {
             "qwen3_moe",
             _MID_Q3,
             StreamSpec(num_prompts=4, group_size=4, prompt_len=(32, 256), response_len=(64, 512)),
+            needs_gpu=True,
+            world_size=1,
+        ),
+        Preset(  # issue 18: K=40 GRPO steps for four backends in one 10-minute H200 call
+            "mid-qwen3.5-moe",
+            "qwen3_5_moe",
+            _MID_Q35,
+            StreamSpec(num_prompts=4, group_size=4, prompt_len=(32, 128), response_len=(64, 256)),
             needs_gpu=True,
             world_size=1,
         ),
