@@ -30,7 +30,13 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl_moe.engines import batch, export
 from verl_moe.engines import checkpoint as ckpt
-from verl_moe.engines.config import engine_layout, ops_config, precision_dtypes, validate_engine_config
+from verl_moe.engines.config import (
+    engine_layout,
+    ops_config,
+    precision_dtypes,
+    validate_engine_config,
+    vision_frozen,
+)
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.models import build, from_pretrained
 from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, fully_shard_model
@@ -112,9 +118,11 @@ class MoeEngineBase(BaseEngine):
 
         ops = ops_config(self.engine_config)
         # ops are chosen for the compute dtype (fp32 master weights compute in bf16 under mixed
-        # precision); a vision-language config trains its text decoder until the engines feed images
-        picks = {"ops": ops, "compute_dtype": self.compute_dtype, "text_only": True}
+        # precision); a vision-language config builds the whole model (tower + text decoder)
+        picks = {"ops": ops, "compute_dtype": self.compute_dtype}
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", **picks)
+        if vision_frozen(self.engine_config) and hasattr(model.model, "visual"):
+            model.model.visual.requires_grad_(False)  # before sharding: FSDP keeps the flag per shard
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
         module = LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
@@ -202,6 +210,9 @@ class MoeEngineBase(BaseEngine):
         empty when training unless `return_model_output`), "loss": [float per micro-batch],
         "metrics": {key: [value per micro-batch]}}.
         """
+        # verl's fix for 4-row position ids whose ragged dim a pickle / chunk lost (its train_batch
+        # and infer_batch call it; ours overrides train_batch)
+        tu.maybe_fix_3d_position_ids(data)
         batch.check_batch_options(data)
         dp_group = self.get_data_parallel_group()
         tu.assign_non_tensor(
@@ -378,6 +389,11 @@ class MoeEngineBase(BaseEngine):
         """True on the first rank of each sequence-parallel group (every rank without SP): the ranks
         of one group hold the same gathered outputs, and verl collects one copy per data-parallel rank."""
         return self.sequence_parallel is None or self.sequence_parallel.rank == 0
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: those that require a gradient (a frozen vision tower's do not)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def enable_determinism(seed: int) -> None:

@@ -10,12 +10,17 @@ that every data-parallel rank agrees on (`split_micro_batches`), pack one micro-
 (`unpack_to_nested`, `merge_outputs`). The only collectives are the agreements over the
 data-parallel group (`global_token_count`, `split_micro_batches`).
 
-Alphabet: N sequences in a micro-batch, T packed tokens.
+Images (vision-language checkpoints): verl's per-sample `multi_modal_inputs` dicts (`pixel_values`
+[P_i, C*TP*PS*PS] and `image_grid_thw` [n_i, 3] per sample, videos likewise) are concatenated in the
+micro-batch's sequence order (`multimodal_inputs`), as the placeholders appear in the packed row; the
+position ids are then verl's 4 rows (text, then the 3 mRoPE rows) per token.
+
+Alphabet: N sequences in a micro-batch, T packed tokens, P pixel patches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -34,18 +39,26 @@ UNSUPPORTED_SWITCHES = (
     "enable_routing_replay",
 )
 
+# verl's multi_modal_inputs keys the model takes; keys derived from them that the model does not need
+# (verl's agent loop adds images_seqlens; the token types are read from the placeholder ids)
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+DERIVED_MEDIA_KEYS = ("images_seqlens", "videos_seqlens", "mm_token_type_ids")
+
 
 @dataclass(frozen=True)
 class PackedBatch:
     """One micro-batch as a single packed row.
 
-    input_ids, position_ids: [1, T] int64, memory-contiguous; positions as verl computed them
-        (each sequence counts from its first real token).
+    input_ids: [1, T] int64, memory-contiguous.
+    position_ids: [1, T] int64 (each sequence counts from its first real token), or [4, 1, T] for a
+        vision-language batch (verl's text row, then the 3 mRoPE rows); memory-contiguous.
     cu_seqlens: [N+1] int32, sequence boundaries in the packed row.
     labels: [T] int64, the packed row shifted left by one (labels[t] = input_ids[t+1]); the
         label of each sequence's last token is never read by verl's losses.
     temperature: [T] fp32, each sequence's sampling temperature repeated over its tokens.
     offsets: [N+1] int64, the nested tensors' offsets (what unpacking returns to).
+    media: the micro-batch's `MEDIA_KEYS` present (pixels of its samples concatenated in order, grids
+        stacked); empty for text.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +67,7 @@ class PackedBatch:
     labels: torch.Tensor
     temperature: torch.Tensor
     offsets: torch.Tensor
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +84,39 @@ def check_batch_options(data: TensorDict) -> None:
             raise ValueError(f"verl_moe engines do not implement {key}=True")
     if not data["input_ids"].is_nested:
         raise ValueError("verl_moe engines expect jagged nested input_ids (verl's left_right_2_no_padding)")
-    if data["position_ids"].dim() != 2:
+    positions = data["position_ids"]
+    if positions.dim() == 3 and positions.shape[1] != 4:
         raise ValueError(
-            f"verl_moe engines take text position_ids [N, j]; got {data['position_ids'].dim()}-D (multimodal mRoPE ids)"
+            f"3-D position_ids must be verl's [N, 4, j] (text + 3 mRoPE rows), got {positions.shape[1]} rows"
         )
+    if positions.dim() not in (2, 3):
+        raise ValueError(f"verl_moe engines take position_ids [N, j] or [N, 4, j], got {positions.dim()}-D")
+
+
+def multimodal_inputs(micro_batch: TensorDict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch's `multi_modal_inputs` (one dict, or None / {} for a text sample, per sequence)
+    as one dict on `device`: each `MEDIA_KEYS` entry concatenated over the samples in order (what the
+    packed row's placeholders read in order); {} when no sample has media.
+
+    Raises ValueError on a key the engines do not feed to the model (naming it) or a grid without
+    its pixels (and the reverse)."""
+    if "multi_modal_inputs" not in micro_batch.keys():
+        return {}
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for item in micro_batch.get("multi_modal_inputs"):
+        item = getattr(item, "data", item)
+        for key, value in (item or {}).items():
+            if value is None or key in DERIVED_MEDIA_KEYS:
+                continue
+            if key not in MEDIA_KEYS:
+                raise ValueError(f"multi_modal_inputs key {key!r} is not supported by verl_moe's engines: {MEDIA_KEYS}")
+            pieces.setdefault(key, []).append(torch.as_tensor(value))
+    media = {key: torch.cat(values).to(device) for key, values in pieces.items()}
+    for pixels, grid in (MEDIA_KEYS[:2], MEDIA_KEYS[2:]):
+        if (pixels in media) != (grid in media):
+            have, lack = (pixels, grid) if pixels in media else (grid, pixels)
+            raise ValueError(f"multi_modal_inputs hold {have} without {lack}")
+    return media
 
 
 def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBatch:
@@ -84,8 +127,10 @@ def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBat
     ids = input_ids.values().to(device=device, dtype=torch.int64).contiguous()
     # .values() of a nested tensor can be a strided view; kernels index positions by pointer.
     positions = micro_batch["position_ids"].values().to(device=device, dtype=torch.int64).contiguous()
-    if positions.shape != ids.shape:
-        raise ValueError(f"position_ids hold {positions.numel()} tokens, input_ids {ids.numel()}")
+    if positions.shape[-1] != ids.shape[0]:
+        raise ValueError(f"position_ids hold {positions.shape[-1]} tokens, input_ids {ids.numel()}")
+    # [T] or, for verl's multimodal rows, [4, T] -> [1, T] / [4, 1, T]
+    positions = positions.unsqueeze(-2)
     temperature = micro_batch["temperature"]
     if isinstance(temperature, torch.Tensor):
         per_seq = temperature.to(device=device, dtype=torch.float32).reshape(-1)
@@ -96,11 +141,12 @@ def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBat
         per_token = torch.full(ids.shape, float(temperature), dtype=torch.float32, device=device)
     return PackedBatch(
         input_ids=ids.unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
+        position_ids=positions,
         cu_seqlens=offsets.to(device=device, dtype=torch.int32),
         labels=torch.roll(ids, shifts=-1, dims=0),
         temperature=per_token,
         offsets=offsets,
+        media=multimodal_inputs(micro_batch, device),
     )
 
 
@@ -232,16 +278,24 @@ def merge_outputs(outputs: list[dict], micro_batch_indices: list[list[int]]) -> 
 def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, int]:
     """This rank's T/sp tokens of a packed row, padded to a multiple of sp, and the pad size.
 
-    input_ids, position_ids, labels, temperature are sliced; cu_seqlens stays global (the
-    sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more sequence.
+    input_ids, position_ids (along the token dim), labels, temperature are sliced; cu_seqlens stays
+    global (the sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more
+    sequence. Raises ValueError for a micro-batch with images or videos: their features would have to
+    reach the ranks holding their placeholders (not supported yet).
     """
+    if packed.media:
+        raise ValueError(
+            f"images / videos ({sorted(packed.media)}) under Ulysses sequence parallelism are not supported "
+            "by verl_moe's engines yet: set the sequence-parallel size to 1 for multimodal data"
+        )
     total = packed.num_tokens
     pad = -total % sp.size
     ids, pos = packed.input_ids, packed.position_ids
     labels, temperature, cu = packed.labels, packed.temperature, packed.cu_seqlens
     if pad:
         ids = torch.nn.functional.pad(ids, (0, pad))
-        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)[None]], dim=1)
+        tail = torch.arange(pad, dtype=pos.dtype, device=pos.device).expand(*pos.shape[:-1], pad)
+        pos = torch.cat([pos, tail], dim=-1)
         labels = torch.nn.functional.pad(labels, (0, pad))
         temperature = torch.nn.functional.pad(temperature, (0, pad), value=1.0)
         cu = torch.cat([cu, cu.new_tensor([total + pad])])
@@ -250,7 +304,7 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
         replace(
             packed,
             input_ids=ids[:, local],
-            position_ids=pos[:, local],
+            position_ids=pos[..., local],
             labels=labels[local],
             temperature=temperature[local],
             cu_seqlens=cu,

@@ -38,10 +38,13 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
             they are then repeated).
         use_no_sync_for_gradient_accumulation: reduce-scatter once per mini-batch.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
+        freeze_vision_tower: a vision-language model's tower gets no gradient and is not in the
+            optimizer (verl's `actor.freeze_vision_tower`, which verl does not pass to engines).
     """
 
     strategy: str = "fsdp2"
     ops: OpsConfig = field(default_factory=OpsConfig)
+    freeze_vision_tower: bool = False
 
 
 @dataclass
@@ -59,12 +62,14 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
         param_dtype: compute dtype under mixed precision ("bf16" or "fp32").
         enable_fsdp_offload: FSDP2 CPUOffloadPolicy; param_offload / optimizer_offload: as in verl.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
+        freeze_vision_tower: as in MoeFsdp2EngineConfig.
     """
 
     strategy: str = "veomni"
     mixed_precision: bool = True
     param_dtype: str = "bf16"
     ops: OpsConfig = field(default_factory=OpsConfig)
+    freeze_vision_tower: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,11 @@ def ops_config(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> OpsConfi
     if isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig):
         return OpsConfig.coerce(engine_config.ops)
     return OpsConfig()
+
+
+def vision_frozen(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> bool:
+    """Our configs' `freeze_vision_tower`; False for a plain verl config (it has no such field)."""
+    return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and engine_config.freeze_vision_tower
 
 
 def precision_dtypes(

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config.optimizer import build_optimizer
-from verl_moe.engines.base import MoeEngineBase
+from verl_moe.engines.base import MoeEngineBase, trainable_parameters
 from verl_moe.models.parallel import UlyssesGroup
 from verl_moe.models.parallelize import ExpertPlan
 from verl_moe.ops import device
@@ -77,7 +77,7 @@ class MoeFsdp2Engine(MoeEngineBase):
         return None
 
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(module.parameters(), self.optimizer_config)
+        return build_optimizer(trainable_parameters(module), self.optimizer_config)
 
     def _build_lr_scheduler(self, optimizer):
         oc = self.optimizer_config

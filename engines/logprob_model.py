@@ -19,7 +19,9 @@ class LogProbModel(nn.Module):
     final norm, lm_head) is unsharded for the head call and its gradients reduce-scatter normally.
 
     forward(packed) -> (log_probs [T] fp32, entropy [T] fp32 or None). The head never builds the
-    [T, VOCAB] logits; temperature scales the logits out of place inside the op.
+    [T, VOCAB] logits; temperature scales the logits out of place inside the op. A vision-language
+    model (`MoeVisionLM`) also gets the micro-batch's pixels and grids (`packed.media`); a text model
+    given media raises ValueError.
     """
 
     def __init__(self, model: nn.Module, logprob_fn: Callable):
@@ -30,7 +32,11 @@ class LogProbModel(nn.Module):
     def forward(
         self, packed: PackedBatch, calculate_entropy: bool, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens)
+        if packed.media and not hasattr(self.model.model, "visual"):
+            raise ValueError(f"a text checkpoint got multimodal inputs {sorted(packed.media)}")
+        out = self.model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, **packed.media
+        )
         hidden = out.last_hidden_state[0]
         return self.logprob_fn(
             hidden,

@@ -26,7 +26,7 @@ import torch
 from veomni.distributed import parallel_state as veomni_parallel_state
 from veomni.optim import build_lr_scheduler
 from verl.workers.config import VeOmniOptimizerConfig
-from verl_moe.engines.base import MoeEngineBase
+from verl_moe.engines.base import MoeEngineBase, trainable_parameters
 from verl_moe.models.parallel import ExpertParallelGroup, UlyssesGroup
 from verl_moe.models.parallelize import ExpertPlan
 from verl_moe.ops import device
@@ -125,7 +125,7 @@ class MoeVeOmniEngine(MoeEngineBase):
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         oc = self.optimizer_config
         return torch.optim.AdamW(
-            module.parameters(),
+            trainable_parameters(module),
             lr=oc.lr,
             betas=tuple(oc.betas),
             weight_decay=oc.weight_decay,

@@ -1,4 +1,4 @@
-"""How a `MoeCausalLM` is split over ranks: the one place that knows which submodules shard how.
+"""How a `MoeCausalLM` / `MoeVisionLM` is split over ranks: the one place that knows which submodules shard how.
 
 Engines decide the layout (meshes, dtypes, offload, whether experts are split over ranks) and pass it
 as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
@@ -9,6 +9,11 @@ as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
   (`Shard(0)` on the "ep" mesh, `shard_experts`) and is its own unit over the remaining expert-mesh
   dims, sharded along dim 1 (as VeOmni does); without it the experts shard with their layer;
 - every decoder layer is one unit in the compute dtype (with activation checkpointing when asked);
+- a vision-language model's tower (`model.visual`): each ViT block one unit (checkpointed like the
+  decoder layers), then the tower itself (patch embedding, position table, merger) one unit, both in
+  the compute dtype; the model then runs the tower in every forward (`set_tower_every_forward`: a
+  dummy image with zero contribution on a rank whose micro-batch has none), so every rank issues the
+  tower's all-gathers and reduce-scatters and none waits forever;
 - the root unit (embeddings, final norm, lm_head, and whatever wraps the model: the engine's log-prob
   head) does not cast its inputs, so a per-token temperature stays fp32.
 
@@ -74,8 +79,9 @@ def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceM
 
 
 def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> None:
-    """Apply `plan` to `model` (a MoeCausalLM) in place, with `root` (the model or a module wrapping it)
-    as the root unit: routers, then (under EP) experts, then each decoder layer, then the root."""
+    """Apply `plan` to `model` (a MoeCausalLM or MoeVisionLM) in place, with `root` (the model or a
+    module wrapping it) as the root unit: the vision tower's blocks and the tower, routers, then (under
+    EP) experts, then each decoder layer, then the root."""
     common = dict(
         mesh=plan.mesh,
         reshard_after_forward=plan.reshard_after_forward,
@@ -83,6 +89,14 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> None
     )
     layer_mp = MixedPrecisionPolicy(param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype)
     router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
+    visual = getattr(model.model, "visual", None)
+    if visual is not None:
+        for block in visual.blocks:
+            if plan.activation_checkpointing:
+                activation_checkpoint(block)
+            fully_shard(block, mp_policy=layer_mp, **common)
+        fully_shard(visual, mp_policy=layer_mp, **common)
+        model.set_tower_every_forward(True)
     for layer in decoder_layers(model):
         for sub in layer.modules():
             if isinstance(sub, TopKRouter):

@@ -54,6 +54,14 @@ class MoeVisionLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.sequence_parallel = None
+        self.tower_every_forward = False
+
+    def set_tower_every_forward(self, on: bool) -> None:
+        """When on, every forward runs the vision tower once per modality, on a dummy image of one
+        merge window where the batch has none, adding its features times zero: a sharded tower (its
+        own FSDP units, `models/parallelize.py`) then all-gathers and reduce-scatters the same number
+        of times on every rank, whatever each rank's micro-batch holds."""
+        self.tower_every_forward = on
 
     # The text decoder's switches and input checks are MoeCausalLM's (they walk this module tree).
     set_sequence_parallel = MoeCausalLM.set_sequence_parallel
@@ -96,7 +104,12 @@ class MoeVisionLM(nn.Module):
             placeholders = int(mask.sum())
             if placeholders:
                 raise ValueError(f"{placeholders} {what} placeholder tokens (id {token_id}) but 0 {what} features")
-            return embeds
+            if not self.tower_every_forward:
+                return embeds
+            m = self.vision.spatial_merge_size
+            dummy = embeds.new_zeros(m * m, self.vision.patch_dim)
+            features = self.model.visual(dummy, torch.tensor([[1, m, m]]), what)
+            return embeds + 0.0 * features.sum().to(embeds.dtype)
         features = self.model.visual(pixels, grid_thw, what)
         placeholders = int(mask.sum())
         if placeholders != features.shape[0]:

@@ -228,3 +228,129 @@ def check_delta_weight_sync(engine, rank: int, world_size: int, batch: int, prom
     for name, tensor in updated.items():
         assert torch.equal(rollout[name], tensor), name
     assert any(".experts.0." in name for name in changed) and any("down_proj" in name for name in changed), changed
+
+
+# ---- vision-language checkpoints and image batches -------------------------------------------
+
+IMAGE, VIDEO, VISION_START, VISION_END = 90, 91, 88, 89
+TINY_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+                   initializer_range=0.2)  # fmt: skip
+PATCH_DIM = 3 * 2 * 2 * 2
+
+
+def tiny_vl_config():
+    """transformers' Qwen3_5MoeConfig around `tiny_config()` (2 ViT blocks of width 16, merge 2),
+    placeholder ids inside the 96-token vocabulary."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = tiny_config().to_dict()
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    return Qwen3_5MoeConfig(
+        text_config=text, vision_config=TINY_VISION, image_token_id=IMAGE, video_token_id=VIDEO,
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+    )  # fmt: skip
+
+
+def write_tiny_vl_model(path: str, seed: int = 0) -> str:
+    """An HF folder holding a randomly initialised tiny Qwen3.5-MoE vision-language model (norms and
+    vision biases randomised too)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = vm.build(tiny_vl_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or (name.startswith("model.visual.") and ".norm" in name):
+                p.normal_(1.0 if "visual" in name else 0.0, 0.2)
+            elif name.startswith("model.visual.") and name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    vm.save_pretrained(model, path)
+    return path
+
+
+def hf_vision_lm(path: str):
+    """transformers' eager Qwen3_5MoeForConditionalGeneration (fp32) holding the folder's weights."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    config._attn_implementation = "eager"
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    hf.load_state_dict(vm.from_pretrained(path).state_dict(), strict=True)
+    return hf
+
+
+def make_vl_batch(grids: list, response_len: int, seed: int, hf=None) -> TensorDict:
+    """A verl rollout batch with images: per sample, `grids[i]` is a list of image grids [t, h, w]
+    (empty: a text sample); the prompt is text, then per image `<start> placeholders <end>`, then text;
+    responses of 1..response_len text tokens. `multi_modal_inputs` per sample as verl's agent loop
+    writes it (pixel_values, image_grid_thw, images_seqlens; {} for a text sample) and verl's 4-row
+    position ids (text row, then transformers' `get_rope_index` of `hf`, on the valid tokens)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts, media = [], []
+    for sample in grids:
+        ids = torch.randint(1, 80, (2,), generator=gen).tolist()
+        pixels = []
+        for t, h, w in sample:
+            ids += (
+                [VISION_START]
+                + [IMAGE] * (t * h * w // 4)
+                + [VISION_END]
+                + torch.randint(1, 80, (2,), generator=gen).tolist()
+            )
+            pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=gen))
+        prompts.append(torch.tensor(ids))
+        if sample:
+            grid = torch.tensor(sample)
+            media.append({"pixel_values": torch.cat(pixels), "image_grid_thw": grid,
+                          "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])})  # fmt: skip
+        else:
+            media.append({})
+    n, p = len(grids), max(x.numel() for x in prompts)
+    prompt_rows = torch.zeros(n, p, dtype=torch.long)
+    for i, x in enumerate(prompts):
+        prompt_rows[i, p - x.numel() :] = x
+    response_valid = torch.randint(1, response_len + 1, (n,), generator=gen)
+    responses = torch.randint(1, 80, (n, response_len), generator=gen)
+    batch = rollout_batch(prompt_rows, responses, torch.tensor([x.numel() for x in prompts]), response_valid)
+    position_ids = torch.zeros(n, 4, batch["input_ids"].shape[1], dtype=torch.long)
+    for i in range(n):
+        valid = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i, valid][None]
+        grid = media[i].get("image_grid_thw")
+        types = (ids == IMAGE).long()
+        rope, _ = hf.model.get_rope_index(ids, types, grid, None)
+        position_ids[i, 0, valid] = torch.arange(int(valid.sum()))
+        position_ids[i, 1:, valid] = rope[:, 0]
+    batch["position_ids"] = position_ids
+    data = DataProto.from_single_dict(
+        {
+            "input_ids": batch["input_ids"],
+            **batch,
+            "advantages": torch.randn(n, 1, generator=gen).expand(-1, response_len) * batch["response_mask"],
+        },
+        meta_info={"temperature": 1.0},
+    )
+    data.non_tensor_batch["multi_modal_inputs"] = np.array(media, dtype=object)
+    return left_right_2_no_padding(data.to_tensordict())
+
+
+def hf_vl_log_probs(hf, data: TensorDict) -> torch.Tensor:
+    """Per sample through transformers (its own position ids from the grids), full fp32 logits:
+    nested log-prob [N, j] of each next token (a sequence's last entry is meaningless)."""
+    out = []
+    for i, ids in enumerate(data["input_ids"].unbind()):
+        media = getattr(data["multi_modal_inputs"][i], "data", data["multi_modal_inputs"][i]) or {}
+        ids = ids[None]
+        logits = hf(
+            input_ids=ids,
+            pixel_values=media.get("pixel_values"),
+            image_grid_thw=media.get("image_grid_thw"),
+            mm_token_type_ids=(ids == IMAGE).long(),
+            use_cache=False,
+        ).logits[0]
+        labels = torch.cat([ids[0, 1:], ids[0, :1]])
+        out.append(logprobs_from_logits_ref(logits.float(), labels, 1.0)[0])
+    return torch.nested.nested_tensor_from_jagged(torch.cat(out), data["input_ids"].offsets())

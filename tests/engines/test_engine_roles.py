@@ -113,25 +113,33 @@ def test_trainable_veomni_engine_refuses_plain_optimizer_config(tmp_path):
         )
 
 
-def test_vision_language_checkpoint_trains_its_text_decoder(tmp_path, world_of_one):
+def test_vision_language_checkpoint_on_text_batches(tmp_path, world_of_one):
     """A Qwen3.5-MoE vision-language checkpoint (real Qwen3.5-35B-A3B folders are): both engines build
-    its text decoder (the vision tower is not fed yet) from `model.language_model.*`, and give plain
-    autograd's log-probs of that decoder."""
+    the whole model, tower included (`model.visual.*`, sharded as its own units), and text batches
+    give plain autograd's log-probs of its text decoder (`model.language_model.*`) alone; the
+    rollout export keeps the checkpoint's names, which our text-only rollout loads."""
     from engine_setup import tiny_config
     from transformers import Qwen3_5MoeConfig
+    from verl_moe.engines.rollout.weights import load_named_tensors
 
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)  # fmt: skip
     torch.manual_seed(0)
-    vl = vm.build(Qwen3_5MoeConfig(text_config=tiny_config().to_dict(), vision_config=vision))
+    config = Qwen3_5MoeConfig(text_config=tiny_config().to_dict(), vision_config=vision)
+    vl = vm.build(config)
     assert isinstance(vl, vm.MoeVisionLM)
     path = str(tmp_path / "vl")
     vm.save_pretrained(vl, path)
     data = make_batch(BATCH, PROMPT, RESPONSE, seed=3)
+    text_decoder = vm.from_pretrained(path, text_only=True)
     with torch.no_grad():
-        expected, _ = reference_log_probs(vm.from_pretrained(path, text_only=True), data)
+        expected, _ = reference_log_probs(text_decoder, data)
     for backend in ("fsdp2", "veomni"):
         engine = _build(path, backend, "ref")
-        assert not any(".visual." in name for name, _ in engine.module.named_parameters()), backend
+        assert any(".visual.blocks.0." in name for name, _ in engine.module.named_parameters()), backend
         for i, got in enumerate(_infer(engine, data)[0]):
             assert (got[:-1] - expected.unbind()[i][:-1]).abs().max().item() <= 1e-5, (backend, i)
+        rollout = vm.build(config, text_only=True)
+        load_named_tensors(rollout, engine.get_per_tensor_param()[0])
+        for name, tensor in text_decoder.state_dict().items():
+            assert torch.equal(rollout.state_dict()[name], tensor), (backend, name)
