@@ -108,7 +108,8 @@ def bench(
 @app.command()
 def align(
     preset: str = typer.Option(
-        "tiny-qwen3.5-moe", help="model + stream preset (tiny-qwen3.5-moe, tiny-qwen3-moe, mid-qwen3-moe)"
+        "tiny-qwen3.5-moe",
+        help="model + stream preset (tiny-qwen3.5-moe, tiny-qwen3-moe, mid-qwen3-moe, mid-qwen3.5-moe)",
     ),
     model: str = typer.Option(None, help="local HF folder to align instead of the preset's random weights"),
     backends: str = typer.Option(
