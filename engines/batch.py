@@ -85,10 +85,11 @@ def check_batch_options(data: TensorDict) -> None:
     if not data["input_ids"].is_nested:
         raise ValueError("verl_moe engines expect jagged nested input_ids (verl's left_right_2_no_padding)")
     positions = data["position_ids"]
-    if positions.dim() == 3 and positions.shape[1] != 4:
-        raise ValueError(
-            f"3-D position_ids must be verl's [N, 4, j] (text + 3 mRoPE rows), got {positions.shape[1]} rows"
-        )
+    # rows read from the values: a nested tensor cut by verl's dispatch (tu.chunk_tensordict) reports
+    # a garbled shape while its values stay [4, T]
+    if positions.dim() == 3 and positions.values().shape[0] != 4:
+        rows = positions.values().shape[0]
+        raise ValueError(f"3-D position_ids must be verl's [N, 4, j] (text + 3 mRoPE rows), got {rows} rows")
     if positions.dim() not in (2, 3):
         raise ValueError(f"verl_moe engines take position_ids [N, j] or [N, 4, j], got {positions.dim()}-D")
 

@@ -23,6 +23,7 @@ from engine_setup import (
     hf_vl_log_probs,
     make_vl_batch,
     ppo_loss_fn,
+    rank_slice,
     write_tiny_vl_model,
 )
 from verl.utils import tensordict_utils as tu
@@ -114,15 +115,15 @@ def test_grid_that_does_not_match_the_pixels(vl_model, world_of_one):
 def _one_rank_has_images(rank: int, world_size: int, path: str) -> None:
     hf = hf_vision_lm(path)
     # rank 0's half holds images, rank 1's none: rank 1 runs the tower on a dummy image
-    # this rank's half, as verl's dispatch hands it (tu.chunk_tensordict garbles 4-row nested position ids)
-    grids = [[[1, 4, 4]], [[1, 2, 2]], [], []][2 * rank : 2 * rank + 2]
-    local = make_vl_batch(grids, 5, seed=3 + rank, hf=hf)
+    # this rank's half as verl's dispatch cuts it (tu.chunk_tensordict)
+    grids = [[[1, 4, 4]], [[1, 2, 2]], [], []]
+    local = rank_slice(make_vl_batch(grids, 5, seed=3, hf=hf), rank, world_size)
     with torch.no_grad():
         want = hf_vl_log_probs(hf, local)
     for builder in (build_engine, build_veomni_engine):
         engine = builder(path)
         assert _max_diff(_infer(engine, local.clone()), want) <= 1e-5, (builder.__name__, rank)
-        _train_step(engine, make_vl_batch(grids, 5, seed=3 + rank, hf=hf))
+        _train_step(engine, rank_slice(make_vl_batch(grids, 5, seed=3, hf=hf), rank, world_size))
         assert _max_diff(_infer(engine, local.clone()), want) > 1e-4, (builder.__name__, rank)
 
 
