@@ -130,3 +130,63 @@ def _one_rank_has_images(rank: int, world_size: int, path: str) -> None:
 @pytest.mark.dist
 def test_only_one_rank_has_images(tmp_path):
     spawn(_one_rank_has_images, 2, write_tiny_vl_model(str(tmp_path / "vl")))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_training_worker_with_images(tmp_path):
+    """verl's own TrainingWorker, 2 Ray workers on the cpu platform (MoeFsdp2Engine, two data-parallel
+    ranks, images on one): infer log-probs equal transformers', train_mini_batch moves them."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.padding import no_padding_2_padding
+    from verl_moe.engines.config import MoeFsdp2EngineConfig
+
+    path = write_tiny_vl_model(str(tmp_path / "vl"))
+    hf = hf_vision_lm(path)
+    grids = [[[1, 4, 4]], [[1, 2, 2]], [], []]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=HFModelConfig(path=path, load_tokenizer=False),
+            engine_config=MoeFsdp2EngineConfig(
+                mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"},
+                use_dynamic_bsz=False,
+                micro_batch_size_per_gpu=1,
+                infer_micro_batch_size_per_gpu=2,
+            ),
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+            checkpoint_config=CheckpointConfig(),
+        )
+        workers = RayWorkerGroup(
+            resource_pool=RayResourcePool(process_on_nodes=[2]),
+            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config),
+        )
+        workers.reset()
+        data = make_vl_batch(grids, 5, seed=4, hf=hf)
+        with torch.no_grad():
+            want = no_padding_2_padding(hf_vl_log_probs(hf, data), data)
+
+        def infer():
+            batch = make_vl_batch(grids, 5, seed=4, hf=hf)
+            tu.assign_non_tensor(batch, compute_loss=False)
+            got = tu.get(workers.infer_batch(batch).get(), "log_probs")
+            return ((no_padding_2_padding(got, data) - want).abs() * data["response_mask"]).max().item()
+
+        assert infer() <= 1e-5
+        train = make_vl_batch(grids, 5, seed=4, hf=hf)
+        train["old_log_probs"] = torch.full(train["responses"].shape, -4.5)
+        train["ref_log_prob"] = torch.full(train["responses"].shape, -4.6)
+        workers.set_loss_fn(ppo_loss_fn(grpo_actor_config()))
+        tu.assign_non_tensor(
+            train, global_batch_size=4, mini_batch_size=4, epochs=1, seed=1, dataloader_kwargs={"shuffle": False}
+        )
+        metrics = tu.get(workers.train_mini_batch(train).get(), "metrics")
+        assert metrics["grad_norm_nonfinite"] == [0.0, 0.0]
+        assert infer() > 1e-4
+    finally:
+        ray.shutdown()
