@@ -85,11 +85,6 @@ def check_batch_options(data: TensorDict) -> None:
     if not data["input_ids"].is_nested:
         raise ValueError("verl_moe engines expect jagged nested input_ids (verl's left_right_2_no_padding)")
     positions = data["position_ids"]
-    # rows read from the values: a nested tensor cut by verl's dispatch (tu.chunk_tensordict) reports
-    # a garbled shape while its values stay [4, T]
-    if positions.dim() == 3 and positions.values().shape[0] != 4:
-        rows = positions.values().shape[0]
-        raise ValueError(f"3-D position_ids must be verl's [N, 4, j] (text + 3 mRoPE rows), got {rows} rows")
     if positions.dim() not in (2, 3):
         raise ValueError(f"verl_moe engines take position_ids [N, j] or [N, 4, j], got {positions.dim()}-D")
 
@@ -127,7 +122,12 @@ def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBat
     seq_lens = offsets.diff()
     ids = input_ids.values().to(device=device, dtype=torch.int64).contiguous()
     # .values() of a nested tensor can be a strided view; kernels index positions by pointer.
-    positions = micro_batch["position_ids"].values().to(device=device, dtype=torch.int64).contiguous()
+    positions = micro_batch["position_ids"]
+    if positions.dim() == 3:
+        positions = _four_rows(positions.values(), seq_lens.tolist())
+    else:
+        positions = positions.values()
+    positions = positions.to(device=device, dtype=torch.int64).contiguous()
     if positions.shape[-1] != ids.shape[0]:
         raise ValueError(f"position_ids hold {positions.shape[-1]} tokens, input_ids {ids.numel()}")
     # [T] or, for verl's multimodal rows, [4, T] -> [1, T] / [4, 1, T]
@@ -148,6 +148,22 @@ def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBat
         temperature=per_token,
         offsets=offsets,
         media=multimodal_inputs(micro_batch, device),
+    )
+
+
+def _four_rows(values: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """[4, T] from the values of verl's nested [N, 4, j] position ids. torch stores them as [4, T] (the
+    token dim ragged), except when every sequence has the same length L: then it makes the 4 rows the
+    ragged dim and stores [N * 4, L] (verl's maybe_fix_3d_position_ids only relabels the ragged dim, so
+    unbind fails on those). Raises ValueError on any other layout."""
+    n, total = len(seq_lens), sum(seq_lens)
+    if values.dim() == 2 and values.shape == (4, total):
+        return values
+    if values.dim() == 2 and values.shape == (4 * n, seq_lens[0]) and len(set(seq_lens)) == 1:
+        return values.reshape(n, 4, seq_lens[0]).transpose(0, 1).reshape(4, total)
+    raise ValueError(
+        f"3-D position_ids must be verl's 4 rows per sequence (text + 3 mRoPE) over {total} tokens, "
+        f"got values {tuple(values.shape)}"
     )
 
 

@@ -190,3 +190,31 @@ def test_training_worker_with_images(tmp_path):
         assert infer() > 1e-4
     finally:
         ray.shutdown()
+
+
+def test_ulysses_slicing_of_multimodal_rows(vl_model):
+    """Packing reads verl's 4-row position ids whatever nested layout torch chose. Under SP a rank's
+    slice of them is each row's slice of the text path (the pad counts on per row); a micro-batch with
+    images is refused, naming sequence parallelism."""
+    from dataclasses import replace
+
+    from verl_moe.engines.batch import pack_micro_batch, slice_packed
+    from verl_moe.models.parallel import UlyssesGroup
+
+    _, hf = vl_model
+    # two sequences of equal length: torch then stores the nested 4-row ids with the rows ragged
+    data = make_vl_batch([[], []], 4, seed=5, hf=hf)
+    assert data["input_ids"].offsets().diff().unique().numel() == 1
+    rows = torch.cat(list(data["position_ids"].unbind()), dim=-1)
+    tu.maybe_fix_3d_position_ids(data)  # what verl's infer_batch does first
+    packed = pack_micro_batch(data, torch.device("cpu"))
+    assert torch.equal(packed.position_ids[:, 0], rows)
+    for rank in range(3):
+        sp = UlyssesGroup(group=None, size=3, rank=rank)
+        local, pad = slice_packed(packed, sp)
+        for row in range(4):
+            text, text_pad = slice_packed(replace(packed, position_ids=packed.position_ids[row]), sp)
+            assert pad == text_pad and torch.equal(local.position_ids[row], text.position_ids)
+    with_image = pack_micro_batch(make_vl_batch([[[1, 2, 2]], []], 4, seed=5, hf=hf), torch.device("cpu"))
+    with pytest.raises(ValueError, match="under Ulysses sequence parallelism are not supported"):
+        slice_packed(with_image, UlyssesGroup(group=None, size=2, rank=0))
