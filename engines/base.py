@@ -34,6 +34,7 @@ from verl_moe.engines.config import (
     engine_layout,
     ops_config,
     precision_dtypes,
+    text_decoder_only,
     validate_engine_config,
     vision_frozen,
 )
@@ -118,8 +119,9 @@ class MoeEngineBase(BaseEngine):
 
         ops = ops_config(self.engine_config)
         # ops are chosen for the compute dtype (fp32 master weights compute in bf16 under mixed
-        # precision); a vision-language config builds the whole model (tower + text decoder)
-        picks = {"ops": ops, "compute_dtype": self.compute_dtype}
+        # precision); a vision-language config builds the whole model (tower + text decoder) unless
+        # `text_only` asks for the decoder alone
+        picks = {"ops": ops, "compute_dtype": self.compute_dtype, "text_only": text_decoder_only(self.engine_config)}
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", **picks)
         if vision_frozen(self.engine_config) and hasattr(model.model, "visual"):
             model.model.visual.requires_grad_(False)  # before sharding: FSDP keeps the flag per shard

@@ -40,11 +40,15 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
         freeze_vision_tower: a vision-language model's tower gets no gradient and is not in the
             optimizer (verl's `actor.freeze_vision_tower`, which verl does not pass to engines).
+        text_only: a vision-language checkpoint trains its text decoder alone: no tower parameters,
+            optimizer state or tower passes, `model.visual.*` skipped at load and absent from exports
+            (for text-only data; the default runs the tower in every forward).
     """
 
     strategy: str = "fsdp2"
     ops: OpsConfig = field(default_factory=OpsConfig)
     freeze_vision_tower: bool = False
+    text_only: bool = False
 
 
 @dataclass
@@ -62,7 +66,7 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
         param_dtype: compute dtype under mixed precision ("bf16" or "fp32").
         enable_fsdp_offload: FSDP2 CPUOffloadPolicy; param_offload / optimizer_offload: as in verl.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
-        freeze_vision_tower: as in MoeFsdp2EngineConfig.
+        freeze_vision_tower, text_only: as in MoeFsdp2EngineConfig.
     """
 
     strategy: str = "veomni"
@@ -70,6 +74,7 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
     param_dtype: str = "bf16"
     ops: OpsConfig = field(default_factory=OpsConfig)
     freeze_vision_tower: bool = False
+    text_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,11 @@ def ops_config(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> OpsConfi
 def vision_frozen(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> bool:
     """Our configs' `freeze_vision_tower`; False for a plain verl config (it has no such field)."""
     return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and engine_config.freeze_vision_tower
+
+
+def text_decoder_only(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> bool:
+    """Our configs' `text_only`; False for a plain verl config."""
+    return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and engine_config.text_only
 
 
 def precision_dtypes(

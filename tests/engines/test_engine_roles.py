@@ -143,3 +143,8 @@ def test_vision_language_checkpoint_on_text_batches(tmp_path, world_of_one):
         load_named_tensors(rollout, engine.get_per_tensor_param()[0])
         for name, tensor in text_decoder.state_dict().items():
             assert torch.equal(rollout.state_dict()[name], tensor), (backend, name)
+        # text_only: the decoder alone, the same log-probs
+        engine = _build(path, backend, "ref", text_only=True)
+        assert not any(".visual." in name for name, _ in engine.module.named_parameters()), backend
+        for i, got in enumerate(_infer(engine, data)[0]):
+            assert (got[:-1] - expected.unbind()[i][:-1]).abs().max().item() <= 1e-5, (backend, "text_only", i)
