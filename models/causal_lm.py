@@ -227,24 +227,32 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
     )
 
 
+@torch.no_grad()
+def init_modules(modules, std: float) -> None:
+    """transformers-like init of `modules` in order: normal(0, std) for projections, embeddings,
+    convolutions, router and experts; zero biases; norms and GatedDeltaNet gates keep their own reset."""
+    for module in modules:
+        if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | nn.Conv3d):
+            nn.init.normal_(module.weight, 0.0, std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, MoeBlock):
+            nn.init.normal_(module.gate.weight, 0.0, std)
+            nn.init.normal_(module.experts.gate_up_proj, 0.0, std)
+            nn.init.normal_(module.experts.down_proj, 0.0, std)
+
+
+@torch.no_grad()
+def zero_padding_embedding(embed: nn.Embedding) -> None:
+    if embed.padding_idx is not None:
+        embed.weight[embed.padding_idx].zero_()
+
+
 def init_weights(model: MoeCausalLM) -> None:
-    """transformers-like init: normal(0, initializer_range) for projections, embeddings, router and
-    experts; zero biases; norms and GatedDeltaNet gates keep their own reset."""
-    std = model.arch.initializer_range
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d):
-                nn.init.normal_(module.weight, 0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, MoeBlock):
-                nn.init.normal_(module.gate.weight, 0.0, std)
-                nn.init.normal_(module.experts.gate_up_proj, 0.0, std)
-                nn.init.normal_(module.experts.down_proj, 0.0, std)
-        # After the loop: a tied lm_head (visited last) re-initialises the shared embedding.
-        embed = model.model.embed_tokens
-        if embed.padding_idx is not None:
-            embed.weight[embed.padding_idx].zero_()
+    """`init_modules` over the whole model with the config's initializer_range; a tied lm_head
+    (visited last) re-initialises the shared embedding, then its padding row is zeroed."""
+    init_modules(model.modules(), model.arch.initializer_range)
+    zero_padding_embedding(model.model.embed_tokens)
 
 
 def build(

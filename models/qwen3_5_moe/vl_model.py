@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..arch import ArchConfig
-from ..causal_lm import MoeCausalLM, MoeModelOutput, MoeTextModel, resolve_ops
-from ..layers import MoeBlock, ResolvedOps
+from ..causal_lm import MoeCausalLM, MoeModelOutput, MoeTextModel, init_modules, resolve_ops, zero_padding_embedding
+from ..layers import ResolvedOps
 from ..ops_config import OpsConfig
 from ..registry import ModelSpec
 from .rope_index import mrope_position_ids
@@ -148,28 +148,12 @@ class MoeVisionLM(nn.Module):
 
 
 def init_weights(model: MoeVisionLM) -> None:
-    """transformers-like init: normal(0, std) for projections, embeddings, convolutions, router and experts
-    (the text config's std for the decoder and lm_head, the vision config's for the tower); zero biases;
-    LayerNorms, RMSNorms and GatedDeltaNet gates keep their own reset."""
-    groups = (
-        (model.arch.initializer_range, [*model.model.language_model.modules(), model.lm_head]),
-        (model.vision.initializer_range, list(model.model.visual.modules())),
-    )
-    with torch.no_grad():
-        for std, modules in groups:
-            for module in modules:
-                if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | nn.Conv3d):
-                    nn.init.normal_(module.weight, 0.0, std)
-                    if getattr(module, "bias", None) is not None:
-                        nn.init.zeros_(module.bias)
-                elif isinstance(module, MoeBlock):
-                    nn.init.normal_(module.gate.weight, 0.0, std)
-                    nn.init.normal_(module.experts.gate_up_proj, 0.0, std)
-                    nn.init.normal_(module.experts.down_proj, 0.0, std)
-        # After the loop: a tied lm_head (visited last in its group) re-initialises the shared embedding.
-        embed = model.model.language_model.embed_tokens
-        if embed.padding_idx is not None:
-            embed.weight[embed.padding_idx].zero_()
+    """`init_modules` with the text config's std for the decoder and lm_head (a tied lm_head, visited
+    last in its group, re-initialises the shared embedding), then the vision config's for the tower;
+    the embedding's padding row zeroed."""
+    init_modules([*model.model.language_model.modules(), model.lm_head], model.arch.initializer_range)
+    init_modules(model.model.visual.modules(), model.vision.initializer_range)
+    zero_padding_embedding(model.model.language_model.embed_tokens)
 
 
 def build_vision_lm(
