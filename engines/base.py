@@ -34,9 +34,8 @@ from verl_moe.engines.config import (
     engine_layout,
     ops_config,
     precision_dtypes,
-    text_decoder_only,
     validate_engine_config,
-    vision_frozen,
+    vision_switch,
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.models import build, from_pretrained
@@ -121,9 +120,10 @@ class MoeEngineBase(BaseEngine):
         # ops are chosen for the compute dtype (fp32 master weights compute in bf16 under mixed
         # precision); a vision-language config builds the whole model (tower + text decoder) unless
         # `text_only` asks for the decoder alone
-        picks = {"ops": ops, "compute_dtype": self.compute_dtype, "text_only": text_decoder_only(self.engine_config)}
+        text_only = vision_switch(self.engine_config, "text_only")
+        picks = {"ops": ops, "compute_dtype": self.compute_dtype, "text_only": text_only}
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", **picks)
-        if vision_frozen(self.engine_config) and hasattr(model.model, "visual"):
+        if vision_switch(self.engine_config, "freeze_vision_tower") and hasattr(model.model, "visual"):
             model.model.visual.requires_grad_(False)  # before sharding: FSDP keeps the flag per shard
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)

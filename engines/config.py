@@ -118,14 +118,10 @@ def ops_config(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> OpsConfi
     return OpsConfig()
 
 
-def vision_frozen(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> bool:
-    """Our configs' `freeze_vision_tower`; False for a plain verl config (it has no such field)."""
-    return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and engine_config.freeze_vision_tower
-
-
-def text_decoder_only(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> bool:
-    """Our configs' `text_only`; False for a plain verl config."""
-    return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and engine_config.text_only
+def vision_switch(engine_config: FSDPEngineConfig | VeOmniEngineConfig, name: str) -> bool:
+    """Our configs' vision-language switch `name` (`freeze_vision_tower`, `text_only`); False for a
+    plain verl config (it has no such fields)."""
+    return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and getattr(engine_config, name)
 
 
 def precision_dtypes(

@@ -8,20 +8,7 @@ import verl_moe.models as vm
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_vision import mm_token_types, randomize, sample, tiny_vl_config
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def saved_keys(folder) -> set:
-    keys = set()
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            keys |= set(fh.keys())
-    return keys
+from tiny_models import assert_same_state, saved_keys
 
 
 def test_our_save_loads_in_transformers(tmp_path):

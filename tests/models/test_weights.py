@@ -10,23 +10,16 @@ import transformers
 import verl_moe.models as vm
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_5_moe_vl, tiny_qwen3_moe
+from tiny_models import (
+    assert_same_state,
+    randomize_norms,
+    saved_keys,
+    tiny_qwen3_5_moe_text,
+    tiny_qwen3_5_moe_vl,
+    tiny_qwen3_moe,
+)
 
 CONFIGS = {"qwen3_5_moe": tiny_qwen3_5_moe_text, "qwen3_moe": tiny_qwen3_moe}
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def saved_keys(folder) -> set:
-    keys = set()
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            keys |= set(fh.keys())
-    return keys
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import verl_moe.models as vm
+from safetensors import safe_open
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 
 
@@ -134,3 +135,19 @@ def assert_matches_transformers(
         assert g is not None and g_hf is not None, name
         err = (g - g_hf).norm().item()
         assert err <= grad_tol * g_hf.norm().item() + 1e-12, f"{name}: |d grad| {err:.3e} vs |grad| {g_hf.norm():.3e}"
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Same names, dtypes and values, bit for bit."""
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def saved_keys(folder) -> set:
+    """The tensor names of every safetensors file in `folder`."""
+    keys = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
