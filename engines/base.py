@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
-from verl_moe.engines import batch, export
+from verl_moe.engines import batch, export, router_replay
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines.config import (
     engine_layout,
@@ -85,6 +85,7 @@ class MoeEngineBase(BaseEngine):
         self.master_dtype, self.compute_dtype, self.reduce_dtype = precision_dtypes(engine_config)
         self._build_parallel_layout(world_size)
         self.module: LogProbModel | None = None
+        self.router_replay: router_replay.RouterReplay | None = None  # engine.router_replay R2 / R3
         self.optimizer = None
         self.lr_scheduler = None
         self.last_step_skipped = False
@@ -139,6 +140,8 @@ class MoeEngineBase(BaseEngine):
         )
         del full_state
         self.module = module
+        if self.engine_config.router_replay.mode != "disabled":
+            self.router_replay = router_replay.RouterReplay(model)
         if not self.engine_config.forward_only:
             self.optimizer = self._build_optimizer(module)
             self.lr_scheduler = self._build_lr_scheduler(self.optimizer)
@@ -208,8 +211,9 @@ class MoeEngineBase(BaseEngine):
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only=False) -> dict:
         """Micro-batch `data`, run the spec + log-prob head, call `loss_function`, backward.
 
-        Returns {"model_output": {"log_probs", "entropy"?: nested [N, j]} (in `data`'s order;
-        empty when training unless `return_model_output`), "loss": [float per micro-batch],
+        Returns {"model_output": {"log_probs", "entropy"?: nested [N, j], "routed_experts"?: nested
+        [N, j, L, TOPK] int16 (router_replay R2, forward only: `engines/router_replay.py`)} (in `data`'s
+        order; empty when training unless `return_model_output`), "loss": [float per micro-batch],
         "metrics": {key: [value per micro-batch]}}.
         """
         # verl's fix for 4-row position ids whose ragged dim a pickle / chunk lost (its train_batch
@@ -238,25 +242,33 @@ class MoeEngineBase(BaseEngine):
             dp_group=dp_group,
         )
         defer_sync = self.layout.defer_grad_sync
+        # R2 records the routing of a forward-only pass, replays it in training; R3 always replays
+        replay_action = router_replay.step_action(self.engine_config.router_replay.mode, data, forward_only)
         outputs = []
         for i, micro_indices in enumerate(indices):
             micro_batch = batch.select_micro_batch(data, micro_indices).to(self.device)
             if not forward_only:
                 self.module.set_requires_gradient_sync(i == len(indices) - 1 or not defer_sync)
             packed = batch.pack_micro_batch(micro_batch, self.device)
-            log_probs, entropy = packed_log_probs(
-                self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
-            )
-            model_output = {"log_probs": batch.unpack_to_nested(log_probs, packed)}
-            if entropy is not None:
-                model_output["entropy"] = batch.unpack_to_nested(entropy, packed)
-            loss, metrics = None, {}
-            if loss_function is not None:
-                loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
-            if not forward_only:
-                if loss is None:
-                    raise ValueError("training needs a loss_function")
-                loss.backward()
+            routing = nullcontext()
+            if replay_action is not None:
+                routing = self.router_replay.armed(replay_action, micro_batch, packed, self.sequence_parallel)
+            with routing:
+                log_probs, entropy = packed_log_probs(
+                    self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
+                )
+                model_output = {"log_probs": batch.unpack_to_nested(log_probs, packed)}
+                if entropy is not None:
+                    model_output["entropy"] = batch.unpack_to_nested(entropy, packed)
+                loss, metrics = None, {}
+                if loss_function is not None:
+                    loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
+                if not forward_only:
+                    if loss is None:
+                        raise ValueError("training needs a loss_function")
+                    loss.backward()
+                if replay_action == router_replay.RECORD:
+                    model_output["routed_experts"] = self.router_replay.recorded(packed, self.sequence_parallel)
             outputs.append(
                 {
                     "model_output": {k: v.detach() for k, v in model_output.items()} if keep_output else {},

@@ -36,7 +36,6 @@ UNSUPPORTED_SWITCHES = (
     "calculate_sum_pi_squared",
     "distillation_use_topk",
     "distillation_only",
-    "enable_routing_replay",
 )
 
 # verl's multi_modal_inputs keys the model takes; keys derived from them that the model does not need
@@ -306,7 +305,7 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
             "by verl_moe's engines yet: set the sequence-parallel size to 1 for multimodal data"
         )
     total = packed.num_tokens
-    pad = -total % sp.size
+    pad, local = sequence_shard(total, sp)
     ids, pos = packed.input_ids, packed.position_ids
     labels, temperature, cu = packed.labels, packed.temperature, packed.cu_seqlens
     if pad:
@@ -316,7 +315,6 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
         labels = torch.nn.functional.pad(labels, (0, pad))
         temperature = torch.nn.functional.pad(temperature, (0, pad), value=1.0)
         cu = torch.cat([cu, cu.new_tensor([total + pad])])
-    local = slice(sp.rank * (total + pad) // sp.size, (sp.rank + 1) * (total + pad) // sp.size)
     return (
         replace(
             packed,
@@ -328,3 +326,12 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
         ),
         pad,
     )
+
+
+def sequence_shard(total: int, sp: UlyssesGroup) -> tuple[int, slice]:
+    """(pad, this rank's token slice) of a packed row of `total` tokens over a Ulysses group: the row
+    is padded to a multiple of sp.size and each rank takes one contiguous equal share (what
+    `slice_packed` does to every per-token tensor)."""
+    pad = -total % sp.size
+    share = (total + pad) // sp.size
+    return pad, slice(sp.rank * share, (sp.rank + 1) * share)

@@ -191,8 +191,9 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
     precision_dtypes(engine_config)
     if engine_config.param_offload and layout.fsdp_cpu_offload:
         raise ValueError("param_offload (between steps) and FSDP2 CPU offload (offload_policy) are exclusive")
-    if engine_config.router_replay.mode != "disabled":
-        raise ValueError(f"router_replay.mode={engine_config.router_replay.mode!r} is not supported by verl_moe")
+    if engine_config.router_replay.mode == "R3" and arch.num_experts_per_tok < 2:
+        # R3 marks the rollout's unrecorded tokens by repeated ids (verl's convention): one id cannot repeat
+        raise ValueError(f"router_replay.mode='R3' needs num_experts_per_tok >= 2, got {arch.num_experts_per_tok}")
     if engine_config.pad_to_length:
         raise ValueError("pad_to_length is not supported by verl_moe's engines")
     if veomni:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -130,17 +130,53 @@ class DenseMLP(MLP):
         return super().forward(x), None
 
 
+class RoutingOverride(Protocol):
+    """What a router asks, once per call, when an override is set (`TopKRouter.override`; the
+    engines' router replay, `engines/router_replay.py`, owns it): given the freely chosen ids
+    [N, TOPK] int64, the ids to use instead ([N, TOPK] int64), or None to keep the free choice."""
+
+    def __call__(self, free_idx: torch.Tensor) -> torch.Tensor | None: ...
+
+
 class TopKRouter(nn.Module):
-    """Router weight [E, D] (transformers' `mlp.gate.weight`) and the routing call."""
+    """Router weight [E, D] (transformers' `mlp.gate.weight`) and the routing call.
+
+    `override` (None: free routing) may replace the chosen experts; the combine weights are then
+    `replayed_topk_weight`'s, from this call's logits, so the router still gets gradients."""
 
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, **factory))
         self.top_k, self.norm_topk_prob, self.ops = arch.num_experts_per_tok, arch.norm_topk_prob, ops
+        self.override: RoutingOverride | None = None
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden: [N, D] -> logits [N, E], topk_weight [N, TOPK] (router dtype), topk_idx [N, TOPK]."""
-        return self.ops.router(hidden, self.weight, self.top_k, self.norm_topk_prob, dtype=self.ops.router_dtype)
+        routed = self.ops.router(hidden, self.weight, self.top_k, self.norm_topk_prob, dtype=self.ops.router_dtype)
+        forced = None if self.override is None else self.override(routed[2])
+        if forced is None:
+            return routed
+        logits, topk_weight, topk_idx = routed
+        return logits, replayed_topk_weight(logits, topk_weight, topk_idx, forced, self.norm_topk_prob), forced
+
+
+def replayed_topk_weight(
+    logits: torch.Tensor,
+    topk_weight: torch.Tensor,
+    topk_idx: torch.Tensor,
+    forced_idx: torch.Tensor,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """Combine weights [N, TOPK] (topk_weight's dtype) of the experts `forced_idx` [N, TOPK]: the
+    softmax over all E of `logits` [N, E] (in fp32 at least) gathered at the ids, renormalised to
+    sum 1 per token when norm_topk_prob. Rows whose forced ids equal the free ones `topk_idx` (same
+    order) keep the router's own `topk_weight` (bitwise free routing where nothing changes)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weight = probs.gather(-1, forced_idx)
+    if norm_topk_prob:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    unchanged = (forced_idx == topk_idx).all(dim=-1, keepdim=True)
+    return torch.where(unchanged, topk_weight, weight.to(topk_weight.dtype))
 
 
 class Experts(nn.Module):
