@@ -78,7 +78,7 @@ class MoeEngineBase(BaseEngine):
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
-        self.layout = engine_layout(engine_config)
+        self.layout = engine_layout(engine_config, model_config)
         self.mode = None
         self.rank = dist.get_rank()
         self.device = device.current_device()
@@ -164,8 +164,11 @@ class MoeEngineBase(BaseEngine):
             offload_policy=offload,
             activation_checkpointing=self.model_config.enable_gradient_checkpointing,
             experts=self._expert_plan(),
+            activation_offload=layout.activation_offload,
+            activation_offload_modules=layout.activation_offload_modules,
         )
-        fully_shard_model(module, module.model, plan)
+        # the activation offload's counters (host bytes, tensors packed), or None
+        self.activation_offload = fully_shard_model(module, module.model, plan)
 
     @property
     def is_param_offload_enabled(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.config import FSDPEngineConfig, VeOmniEngineConfig
 from verl_moe.models import ArchConfig, OpsConfig, get_spec
+from verl_moe.models.activation_offload import select_layers
 
 SERVED_STRATEGIES = ("fsdp", "fsdp2", "veomni")
 
@@ -43,6 +44,9 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
         text_only: a vision-language checkpoint trains its text decoder alone: no tower parameters,
             optimizer state or tower passes, `model.visual.*` skipped at load and absent from exports
             (for text-only data; the default runs the tower in every forward).
+    Read from verl's model config: enable_gradient_checkpointing (per decoder layer and ViT block) and
+    enable_activation_offload (each decoder layer's saved tensors, its inputs under checkpointing, wait
+    for backward in host memory: `models/activation_offload.py`).
     """
 
     strategy: str = "fsdp2"
@@ -65,6 +69,14 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
             reduction; False = bf16 weights and compute (as verl's VeOmni engine).
         param_dtype: compute dtype under mixed precision ("bf16" or "fp32").
         enable_fsdp_offload: FSDP2 CPUOffloadPolicy; param_offload / optimizer_offload: as in verl.
+        enable_async_activation_offload: each decoder layer's saved tensors (its inputs under
+            checkpointing) go to host memory on a side stream and are prefetched back ahead of
+            backward (`models/activation_offload.py`); model.enable_activation_offload is refused, as
+            verl's VeOmni engine does.
+        activation_offload_modules: which decoder layers, as VeOmni's name patterns ("model.layers.{*}",
+            "model.layers.3"); empty = all. A pattern matching no decoder layer is refused.
+        activation_offload_host_cache_limit_gb: only the default (4.0): pinned buffers come from torch's
+            caching host allocator, which reuses them across steps without a separate bound.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
         freeze_vision_tower, text_only: as in MoeFsdp2EngineConfig.
     """
@@ -80,7 +92,9 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
 @dataclass(frozen=True)
 class EngineLayout:
     """What the engines read from either config: sharding, sequence/expert parallel sizes,
-    FSDP2 CPU offload, and whether gradient reduction waits for the last micro-batch."""
+    FSDP2 CPU offload, whether gradient reduction waits for the last micro-batch, and activation
+    offload (model_config.enable_activation_offload for fsdp2, enable_async_activation_offload for
+    veomni) with the decoder-layer patterns it applies to (empty = all)."""
 
     fsdp_size: int
     sequence_parallel_size: int
@@ -88,9 +102,16 @@ class EngineLayout:
     reshard_after_forward: bool
     fsdp_cpu_offload: bool
     defer_grad_sync: bool
+    activation_offload: bool = False
+    activation_offload_modules: tuple[str, ...] = ()
 
 
-def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> EngineLayout:
+DEFAULT_HOST_CACHE_LIMIT_GB = 4.0  # VeOmniEngineConfig.activation_offload_host_cache_limit_gb's default
+
+
+def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig, model_config=None) -> EngineLayout:
+    """The layout of `engine_config`; `model_config` (verl's HFModelConfig) carries the fsdp2 engine's
+    activation-offload switch: without it (checks that need only the sizes) offload reads as off."""
     if isinstance(engine_config, VeOmniEngineConfig):
         return EngineLayout(
             fsdp_size=engine_config.fsdp_size,
@@ -99,6 +120,8 @@ def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> Engin
             reshard_after_forward=True,  # VeOmni always reshards decoder layers after forward
             fsdp_cpu_offload=engine_config.enable_fsdp_offload,
             defer_grad_sync=True,
+            activation_offload=engine_config.enable_async_activation_offload,
+            activation_offload_modules=tuple(engine_config.activation_offload_modules),
         )
     return EngineLayout(
         fsdp_size=engine_config.fsdp_size,
@@ -107,6 +130,7 @@ def engine_layout(engine_config: FSDPEngineConfig | VeOmniEngineConfig) -> Engin
         reshard_after_forward=engine_config.reshard_after_forward,
         fsdp_cpu_offload=engine_config.offload_policy,
         defer_grad_sync=engine_config.use_no_sync_for_gradient_accumulation,
+        activation_offload=model_config is not None and model_config.enable_activation_offload,
     )
 
 
@@ -197,18 +221,35 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
     if engine_config.pad_to_length:
         raise ValueError("pad_to_length is not supported by verl_moe's engines")
     if veomni:
-        if engine_config.enable_async_activation_offload:
-            raise ValueError("enable_async_activation_offload is not supported by MoeVeOmniEngine")
+        _check_async_activation_offload(model_config, engine_config, arch)
         if engine_config.qat_implementation != "none":
             raise ValueError("QAT is not supported by MoeVeOmniEngine (qat_implementation)")
     elif engine_config.qat.enable:
         raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
     if model_config.lora_rank > 0:
         raise ValueError("LoRA is not supported by verl_moe's engines (lora_rank > 0)")
-    if model_config.enable_activation_offload:
-        raise ValueError("enable_activation_offload is not supported by verl_moe's engines")
     if arch.tie_word_embeddings and world_size > 1:
         raise ValueError("tied word embeddings are not supported by verl_moe's engines with more than one rank")
+
+
+def _check_async_activation_offload(model_config, engine_config: VeOmniEngineConfig, arch: ArchConfig) -> None:
+    """VeOmni's activation-offload options that MoeVeOmniEngine cannot honour raise ValueError."""
+    if model_config.enable_activation_offload:
+        raise ValueError(
+            "model.enable_activation_offload is not supported by MoeVeOmniEngine (verl's VeOmniEngineConfig "
+            "documents it as rejected); use enable_async_activation_offload"
+        )
+    if engine_config.activation_offload_host_cache_limit_gb != DEFAULT_HOST_CACHE_LIMIT_GB:
+        raise ValueError(
+            f"activation_offload_host_cache_limit_gb={engine_config.activation_offload_host_cache_limit_gb} is not "
+            f"supported by MoeVeOmniEngine: pinned buffers come from torch's caching host allocator (reused "
+            f"across steps, no separate bound); leave it at {DEFAULT_HOST_CACHE_LIMIT_GB}"
+        )
+    if engine_config.enable_async_activation_offload and engine_config.activation_offload_modules:
+        # the model's layer names are known at build (a text model or a vision-language one): either form here
+        layers = range(arch.num_hidden_layers)
+        names = [f"model.layers.{i}" for i in layers] + [f"model.language_model.layers.{i}" for i in layers]
+        select_layers(names, list(engine_config.activation_offload_modules))
 
 
 def validate_actor_config(actor, n_gpus: int) -> None:

@@ -8,7 +8,9 @@ as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
 - under expert parallelism every `Experts` holds this rank's block of E / ep experts as DTensors
   (`Shard(0)` on the "ep" mesh, `shard_experts`) and is its own unit over the remaining expert-mesh
   dims, sharded along dim 1 (as VeOmni does); without it the experts shard with their layer;
-- every decoder layer is one unit in the compute dtype (with activation checkpointing when asked);
+- every decoder layer is one unit in the compute dtype (with activation checkpointing when asked, and
+  activation offload: what autograd saves at each layer, its inputs under checkpointing, waits for
+  backward in host memory, `models/activation_offload.py`);
 - a vision-language model's tower (`model.visual`): each ViT block one unit (checkpointed like the
   decoder layers), then the tower itself (patch embedding, position table, merger) one unit, both in
   the compute dtype; the model then runs the tower in every forward (`set_tower_every_forward`: a
@@ -32,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from .activation_offload import ActivationOffload, select_layers
 from .layers import Experts, TopKRouter
 from .parallel import ExpertParallelGroup
 
@@ -49,7 +52,9 @@ class ExpertPlan:
 @dataclass(frozen=True)
 class FsdpPlan:
     """What an engine chose. compute_dtype / reduce_dtype: None keeps the master dtype (no cast).
-    experts: None shards the experts with their decoder layer."""
+    experts: None shards the experts with their decoder layer. activation_offload: the decoder layers'
+    saved tensors go to host memory; activation_offload_modules: which layers (VeOmni's name patterns,
+    `select_layers`; empty = all)."""
 
     mesh: DeviceMesh
     compute_dtype: torch.dtype | None = None
@@ -58,12 +63,23 @@ class FsdpPlan:
     offload_policy: OffloadPolicy | None = None
     activation_checkpointing: bool = False
     experts: ExpertPlan | None = None
+    activation_offload: bool = False
+    activation_offload_modules: tuple[str, ...] = ()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a MoeCausalLM (`model.layers`) or a MoeVisionLM (`model.language_model.layers`)."""
     inner = model.model
     return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+
+
+def offload_activations(model: nn.Module, modules: tuple[str, ...] = (), **options) -> ActivationOffload:
+    """Attach activation offload to the decoder layers of `model` that `modules` selects (names as in
+    transformers: "model.layers.<i>", "model.language_model.layers.<i>"; empty = all), before `fully_shard`.
+    `options` go to `ActivationOffload` (prefetch_layers, min_bytes)."""
+    layers = decoder_layers(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    return ActivationOffload(layers, select_layers([names[id(m)] for m in layers], modules), **options)
 
 
 def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceMesh) -> None:
@@ -78,10 +94,12 @@ def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceM
         setattr(experts, name, nn.Parameter(dtensor))
 
 
-def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> None:
+def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> ActivationOffload | None:
     """Apply `plan` to `model` (a MoeCausalLM or MoeVisionLM) in place, with `root` (the model or a
     module wrapping it) as the root unit: the vision tower's blocks and the tower, routers, then (under
-    EP) experts, then each decoder layer, then the root."""
+    EP) experts, then each decoder layer, then the root. Returns the activation offload (its counters)
+    when the plan asks for it."""
+    offload = offload_activations(model, plan.activation_offload_modules) if plan.activation_offload else None
     common = dict(
         mesh=plan.mesh,
         reshard_after_forward=plan.reshard_after_forward,
@@ -118,3 +136,4 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> None
         param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False
     )
     fully_shard(root, mp_policy=root_mp, **common)
+    return offload

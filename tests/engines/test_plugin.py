@@ -148,7 +148,7 @@ def test_bad_config_raises_before_build(engine_kwargs, world_size, message):
         (dict(fsdp_size=1, ulysses_parallel_size=2, expert_parallel_size=4), 4, "must divide the 2 ranks"),
         (dict(fsdp_size=3), 4, "fsdp_size=3 must be -1 or divide 4 ranks"),
         (dict(param_dtype="fp8"), 2, "param_dtype='fp8'"),
-        (dict(enable_async_activation_offload=True), 2, "enable_async_activation_offload"),
+        (dict(activation_offload_host_cache_limit_gb=8.0), 2, "activation_offload_host_cache_limit_gb=8.0"),
     ],
 )
 def test_bad_veomni_config_raises_before_build(engine_kwargs, world_size, message):

@@ -1,0 +1,320 @@
+"""Activation offload: what autograd saves at each decoder layer waits for backward in host memory.
+
+`ActivationOffload(layers)` puts a pair of `torch.autograd.graph.saved_tensors_hooks` around the forward of
+each offloaded decoder layer (module hooks, nothing patched), keyed by the layer:
+
+- pack (forward): a saved tensor on the compute device that is not a parameter (nor a view of one) is copied
+  into a new host buffer (pinned on cuda / npu) on a side stream, once an event says the compute stream
+  produced it; autograd keeps a handle instead of the tensor. Under per-layer activation checkpointing
+  (`torch.distributed._composable.checkpoint`, applied before or after this) the tensors saved at a layer
+  are its inputs, since the checkpoint's own hooks sit inside ours and keep nothing: the host then holds
+  every layer's inputs and the device one layer's recompute. Without checkpointing the host holds
+  everything each layer saved.
+- the device copy is dropped once its copy to the host is done: at a later layer's start if the copy's
+  event has completed, two offloaded layers later in any case, after the compute stream waits on the event
+  (the allocator then hands the block to later compute work only after the copy read it).
+- unpack (backward): a layer's first unpack copies its tensors back (unless prefetched) and prefetches the
+  next `prefetch_layers` offloaded layers below it (backward runs the layers in reverse), on the side stream
+  into device memory allocated on the compute stream, which waits on each copy's event before use.
+- a host buffer is freed only after the event of its last copy completed, also when autograd drops a
+  handle whose copy is still in flight (`_retire`).
+The last decoder layer keeps its saved tensors on the device: backward starts with it.
+
+Streams and events come from `ops.device.device_module()` (`torch.cuda`, `torch.npu`, `torch.cpu`). On CPU the
+device is the host: the copies are plain copies into fresh buffers, the streams and events are torch.cpu's
+(synchronous) and the hook logic runs unchanged, so CPU tests check the path an accelerator takes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import functools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.tensor import DTensor
+
+from ..ops import device
+
+# _Saved.state
+_ON_DEVICE_AND_HOST = "copying"  # the original device tensor is still held; its copy to the host was issued
+_ON_HOST = "host"  # the device tensor was dropped
+_BACK = "back"  # on the device again (restored or never dropped) for backward
+
+
+class _Saved:
+    """What autograd holds instead of one offloaded tensor. tensor: the device tensor (the original until
+    dropped, then the restored copy) or None; host: the host copy until released; copied: the event of
+    the last copy that touched `host`; ready: the event the compute stream waits on before using `tensor`."""
+
+    __slots__ = ("owner", "pass_", "pos", "device", "tensor", "host", "copied", "ready", "state", "__weakref__")
+
+    def __init__(self, owner, pass_, pos, tensor, host, copied):
+        self.owner, self.pass_, self.pos, self.device = owner, pass_, pos, tensor.device
+        self.tensor, self.host, self.copied, self.ready = tensor, host, copied, None
+        self.state = _ON_DEVICE_AND_HOST
+
+    def __del__(self):
+        # autograd dropped the handle (graph freed, possibly before backward): the host buffer may still be
+        # the target of a copy in flight
+        if self.host is not None:
+            self.owner._retire(self.copied, self.host)
+            self.host = None
+
+
+class _Pass:
+    """One forward's handles, by offloaded-layer position (weak: autograd owns them)."""
+
+    def __init__(self):
+        self.saved: dict[int, list[weakref.ref]] = {}
+        self.copying: list[weakref.ref] = []  # handles still holding their original device tensor
+        self.started: set[int] = set()  # positions whose backward began (their first unpack)
+
+
+class ActivationOffload:
+    """Offload the saved tensors of `layers[i]` for i in `offloaded` (default: every layer but the last; the
+    last is always left out). `layers`: the decoder layers in forward order. `prefetch_layers`: offloaded
+    layers copied back ahead of the one whose backward runs. `min_bytes`: smaller tensors stay on the device.
+    Attach before `fully_shard` (its pre-forward hook, which unshards the parameters, must run before ours).
+
+    Counters: `packed_tensors` / `packed_bytes` (since construction), `host_bytes` (host buffers alive now)
+    and `peak_host_bytes`. Raises ValueError on a bad index or a negative prefetch depth.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        offloaded: Sequence[int] | None = None,
+        prefetch_layers: int = 1,
+        min_bytes: int = 0,
+    ):
+        layers = list(layers)
+        chosen = range(len(layers)) if offloaded is None else offloaded
+        bad = [i for i in chosen if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"offloaded layer indices {bad} are outside the {len(layers)} decoder layers")
+        if prefetch_layers < 0:
+            raise ValueError(f"prefetch_layers={prefetch_layers} must be >= 0")
+        # decoder-layer index per position; the last layer's backward comes first, so it keeps its tensors
+        self.layer_indices = tuple(sorted(set(chosen) - {len(layers) - 1}))
+        self.prefetch_layers = prefetch_layers
+        self.min_bytes = min_bytes
+        self.packed_tensors = self.packed_bytes = self.host_bytes = self.peak_host_bytes = 0
+        self._mod = device.device_module()
+        self._device_type = device.device_type()
+        self._pin = device.is_accelerator()
+        self._side: object | None = None
+        self._pass: _Pass | None = None
+        self._active: list[tuple[nn.Module, saved_tensors_hooks]] = []
+        self._retiring: list[tuple[object, torch.Tensor]] = []
+        # _retire also runs from _Saved.__del__ (autograd's thread, or a GC pass inside a locked section)
+        self._lock = threading.RLock()
+        for i, layer in enumerate(layers):
+            # a layer's start drops earlier layers' device copies (also at the last layer, which keeps its own)
+            pos = bisect.bisect_left(self.layer_indices, i)
+            offloaded_here = i in self.layer_indices
+            layer.register_forward_pre_hook(functools.partial(self._enter, pos, offloaded_here), prepend=True)
+            if offloaded_here:
+                layer.register_forward_hook(self._exit, always_call=True)
+
+    # ---- inspection (tests, bench) -------------------------------------------------------------
+
+    def held(self, layer_index: int) -> list[torch.Tensor]:
+        """The host copies the latest forward holds for decoder layer `layer_index` (not yet released)."""
+        if self._pass is None or layer_index not in self.layer_indices:
+            return []
+        refs = self._pass.saved.get(self.layer_indices.index(layer_index), [])
+        return [s.host for s in (r() for r in refs) if s is not None and s.host is not None]
+
+    def on_device(self, layer_index: int) -> int:
+        """How many of decoder layer `layer_index`'s offloaded tensors the latest forward holds on the device."""
+        if self._pass is None or layer_index not in self.layer_indices:
+            return 0
+        refs = self._pass.saved.get(self.layer_indices.index(layer_index), [])
+        return sum(1 for s in (r() for r in refs) if s is not None and s.tensor is not None)
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _enter(self, pos: int, offloaded: bool, module: nn.Module, args) -> None:
+        """Forward pre-hook of a decoder layer; `pos`: its position among the offloaded layers (that of
+        the next offloaded one for a layer not offloaded)."""
+        if not torch.is_grad_enabled() or _recomputing(module):
+            return  # nothing is saved, or the checkpoint recomputes the layer in backward: its hooks rule
+        if offloaded and (pos == 0 or self._pass is None):
+            self._pass = _Pass()
+            self._sweep()
+        if self._pass is not None:
+            self._drop_device_copies(self._pass, pos)
+        if not offloaded:
+            return
+        params = set()
+        for p in module.parameters():  # unsharded by now (FSDP's pre-forward hook runs first)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            params.add(local.untyped_storage().data_ptr())
+        hooks = saved_tensors_hooks(functools.partial(self._pack, self._pass, pos, params), _unpack)
+        hooks.__enter__()
+        self._active.append((module, hooks))
+
+    def _exit(self, module: nn.Module, args, output) -> None:
+        if self._active and self._active[-1][0] is module:
+            self._active.pop()[1].__exit__(None, None, None)
+
+    def _offloadable(self, tensor, params: set) -> bool:
+        return (
+            type(tensor) is torch.Tensor  # not a Parameter, DTensor or other subclass
+            and tensor.layout == torch.strided
+            and tensor.device.type == self._device_type
+            and tensor.numel() > 0
+            and tensor.numel() * tensor.element_size() >= self.min_bytes
+            and not (tensor.requires_grad and tensor.is_leaf)
+            and tensor.untyped_storage().data_ptr() not in params
+        )
+
+    def _side_stream(self):
+        if self._side is None:
+            self._side = self._mod.Stream()
+        return self._side
+
+    def _pack(self, pass_: _Pass, pos: int, params: set, tensor):
+        if not self._offloadable(tensor, params):
+            return tensor
+        mod, side = self._mod, self._side_stream()
+        produced = mod.Event()
+        produced.record(mod.current_stream())
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        side.wait_event(produced)
+        with mod.stream(side):
+            host.copy_(tensor, non_blocking=self._pin)
+        copied = mod.Event()
+        copied.record(side)
+        saved = _Saved(self, pass_, pos, tensor, host, copied)
+        pass_.saved.setdefault(pos, []).append(weakref.ref(saved))
+        pass_.copying.append(weakref.ref(saved))
+        nbytes = host.numel() * host.element_size()
+        with self._lock:
+            self.packed_tensors += 1
+            self.packed_bytes += nbytes
+            self.host_bytes += nbytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return saved
+
+    def _drop_device_copies(self, pass_: _Pass, pos: int) -> None:
+        """At offloaded layer `pos`'s start: drop the device tensors of earlier layers whose copy to the host
+        is done, and of layers two or more positions back after the compute stream waits for their copy."""
+        still = []
+        for ref in pass_.copying:
+            saved = ref()
+            if saved is None or saved.state != _ON_DEVICE_AND_HOST:
+                continue
+            if saved.pos < pos and saved.copied.query():
+                saved.tensor = None
+            elif saved.pos <= pos - 2:
+                self._mod.current_stream().wait_event(saved.copied)
+                saved.tensor = None
+            else:
+                still.append(ref)
+                continue
+            saved.state = _ON_HOST
+        pass_.copying = still
+
+    # ---- backward ------------------------------------------------------------------------------
+
+    def _restore(self, saved: _Saved) -> torch.Tensor:
+        pass_ = saved.pass_
+        if saved.pos not in pass_.started:
+            pass_.started.add(saved.pos)
+            # this layer's tensors first (stream order), then the next layers backward reaches
+            for pos in range(saved.pos, saved.pos - self.prefetch_layers - 1, -1):
+                self._fetch_layer(pass_, pos)
+            self._sweep()
+        if saved.state == _ON_HOST:  # packed after its layer's first unpack (not expected): fetch it now
+            self._fetch(saved)
+        if saved.ready is not None:
+            self._mod.current_stream().wait_event(saved.ready)
+            saved.ready = None
+        saved.state = _BACK
+        if saved.host is not None:
+            self._retire(saved.copied, saved.host)
+            saved.host = None
+        return saved.tensor
+
+    def _fetch_layer(self, pass_: _Pass, pos: int) -> None:
+        for ref in pass_.saved.get(pos, []):
+            saved = ref()
+            if saved is not None and saved.state == _ON_HOST:
+                self._fetch(saved)
+
+    def _fetch(self, saved: _Saved) -> None:
+        """Copy `saved.host` back on the side stream into memory allocated on the compute stream."""
+        mod, side = self._mod, self._side_stream()
+        compute = mod.current_stream()
+        buffer = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
+        allocated = mod.Event()
+        allocated.record(compute)  # the block may come from compute work still running
+        side.wait_event(allocated)
+        with mod.stream(side):
+            buffer.copy_(saved.host, non_blocking=self._pin)
+        copied = mod.Event()
+        copied.record(side)
+        saved.tensor, saved.copied, saved.ready, saved.state = buffer, copied, copied, _BACK
+
+    # ---- host buffers --------------------------------------------------------------------------
+
+    def _retire(self, event, host: torch.Tensor) -> None:
+        """Free `host` once `event` (its last copy) completed, at the next sweep (layer starts, unpacks)."""
+        with self._lock:
+            self._retiring.append((event, host))
+
+    def _sweep(self) -> None:
+        with self._lock:
+            pending, self._retiring = self._retiring, []
+        keep, freed = [], 0
+        for event, host in pending:
+            if event.query():
+                freed += host.numel() * host.element_size()
+            else:
+                keep.append((event, host))
+        del pending
+        with self._lock:
+            self._retiring.extend(keep)
+            self.host_bytes -= freed
+
+
+def _unpack(saved):
+    return saved if isinstance(saved, torch.Tensor) else saved.owner._restore(saved)
+
+
+def _recomputing(module: nn.Module) -> bool:
+    """True while a composable activation checkpoint recomputes `module` in backward (it turns its own
+    hooks off for the recompute)."""
+    state = composable_checkpoint.state(module)
+    return state is not None and not state.enable_hook
+
+
+def _name_matches(pattern: str, name: str) -> bool:
+    """VeOmni's module patterns: one glob per dot-separated segment ("{*}" = "*"), same segment count."""
+    pattern_parts, name_parts = pattern.replace("{*}", "*").split("."), name.split(".")
+    return len(pattern_parts) == len(name_parts) and all(
+        fnmatch.fnmatchcase(n, p) for p, n in zip(pattern_parts, name_parts)
+    )
+
+
+def select_layers(names: Sequence[str], patterns: Sequence[str]) -> list[int]:
+    """Indices of the decoder layers (`names`, in forward order, e.g. "model.layers.3") that any of
+    `patterns` (VeOmni's `activation_offload_modules`) matches; every layer when `patterns` is empty.
+    Raises ValueError naming the option for a pattern that matches no decoder layer."""
+    if not patterns:
+        return list(range(len(names)))
+    for pattern in patterns:
+        if not any(_name_matches(pattern, n) for n in names):
+            raise ValueError(
+                f"activation_offload_modules: {pattern!r} matches no decoder layer (verl_moe offloads decoder "
+                "layers only, e.g. 'model.layers.{*}')"
+            )
+    return [i for i, n in enumerate(names) if any(_name_matches(p, n) for p in patterns)]

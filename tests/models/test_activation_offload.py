@@ -1,0 +1,135 @@
+"""Activation offload (`models/activation_offload.py`) on the tiny Qwen3.5-MoE, CPU, fp32.
+
+Tolerance: none. Offload copies saved tensors out and back bit for bit, so every gradient must equal the
+run without offload exactly (with and without per-layer checkpointing, over two graphs alive at once).
+The host test watches what the hooks packed: per offloaded layer, host copies of exactly the layer's
+tensor inputs (distinct storage, pinned on an accelerator) while the device inputs themselves are freed;
+without offload autograd keeps them.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import verl_moe.models as vm
+from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
+from torch.distributed._composable import checkpoint
+from verl_moe.models.activation_offload import ActivationOffload, select_layers
+from verl_moe.models.parallelize import decoder_layers, offload_activations
+from verl_moe.ops import device
+
+DEVICE = device.current_device()  # the offload moves what lives on this process's device (the host on CPU)
+
+
+def _model(checkpointing: bool, offload: bool, **options):
+    torch.manual_seed(0)
+    config = tiny_qwen3_5_moe_text(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = vm.build(config, device=DEVICE)
+    randomize_norms(model)
+    handle = offload_activations(model, **options) if offload else None
+    # copies finish before the next layer starts, so which device tensors are dropped is deterministic
+    decoder_layers(model)[-1].register_forward_pre_hook(lambda m, a: device.synchronize(), prepend=True)
+    if checkpointing:
+        for layer in decoder_layers(model):
+            checkpoint(layer)
+    return model, handle
+
+
+def _loss(model, seed: int) -> torch.Tensor:
+    ids, pos, cu = (t.to(DEVICE) for t in packed_inputs([5, 9, 2], seed=seed))
+    hidden = model(ids, pos, cu_seqlens=cu).last_hidden_state
+    return model.logits(hidden).float().logsumexp(-1).mean()
+
+
+def _grads(checkpointing: bool, offload: bool) -> tuple[dict, ActivationOffload | None]:
+    """Two micro-batches whose graphs are alive together (two forwards, one backward), then a third alone."""
+    model, handle = _model(checkpointing, offload)
+    (_loss(model, 0) + _loss(model, 1)).backward()
+    _loss(model, 2).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, handle
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "not-checkpointed"])
+def test_gradients_bitwise_equal_to_no_offload(checkpointing):
+    want, _ = _grads(checkpointing, offload=False)
+    got, handle = _grads(checkpointing, offload=True)
+    assert handle.packed_tensors > 0 and handle.layer_indices == (0, 1, 2)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def _watch_inputs(model) -> list[dict]:
+    """Per decoder layer: weak references to its tensor inputs, their values and storages (a pre-hook)."""
+    seen = [{} for _ in decoder_layers(model)]
+
+    def hook(i, module, args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        seen[i].update(
+            # hidden, residual (None at the first layer): nothing but the layer's saved inputs keeps them
+            refs=[weakref.ref(t) for t in args[:2] if t is not None],
+            values=[t.detach().clone() for t in tensors],
+            storages={t.untyped_storage().data_ptr() for t in tensors},
+        )
+
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda m, a, i=i: hook(i, m, a))
+    return seen
+
+
+def test_saved_inputs_live_on_the_host():
+    model, handle = _model(checkpointing=True, offload=True)
+    seen = _watch_inputs(model)
+    loss = _loss(model, 0)
+    gc.collect()
+    n = len(seen)
+    total = 0
+    for i in range(n - 1):
+        held = handle.held(i)
+        # checkpointing saves nothing inside the layer: the hooks packed exactly its tensor inputs
+        assert len(held) == len(seen[i]["values"]) and handle.on_device(i) == 0, i
+        for host, value in zip(held, seen[i]["values"]):
+            assert torch.equal(host, value), i
+            assert host.untyped_storage().data_ptr() not in seen[i]["storages"], i
+            assert host.device.type == "cpu" and host.is_pinned() == device.is_accelerator(), i
+            total += host.numel() * host.element_size()
+        # the device inputs are gone: autograd holds the host copies only
+        assert all(ref() is None for ref in seen[i]["refs"]), i
+    assert total == handle.packed_bytes == handle.host_bytes
+    assert handle.held(n - 1) == [] and any(ref() is not None for ref in seen[n - 1]["refs"])
+    loss.backward()
+    assert all(handle.held(i) == [] for i in range(n))
+
+    control, _ = _model(checkpointing=True, offload=False)
+    seen = _watch_inputs(control)
+    loss = _loss(control, 0)
+    gc.collect()
+    assert all(ref() is not None for ref in seen[1]["refs"]), "without offload autograd keeps the layer inputs"
+
+
+def test_layer_selection():
+    names = [f"model.layers.{i}" for i in range(4)]
+    assert select_layers(names, []) == [0, 1, 2, 3]
+    assert select_layers(names, ["model.layers.{*}"]) == [0, 1, 2, 3]
+    assert select_layers(names, ["model.layers.1", "model.layers.2"]) == [1, 2]
+    assert select_layers(names, ["model.*.0"]) == [0]
+    for bad in ("model.visual.blocks.*", "model.layers", "model.layers.*.mlp"):
+        with pytest.raises(ValueError, match="activation_offload_modules: .* matches no decoder layer"):
+            select_layers(names, [bad])
+    model, handle = _model(checkpointing=True, offload=True, modules=("model.layers.1",))
+    seen = _watch_inputs(model)
+    loss = _loss(model, 0)
+    assert handle.layer_indices == (1,)
+    assert handle.held(0) == [] and len(handle.held(1)) == len(seen[1]["values"])
+    loss.backward()
+
+
+def test_bad_options():
+    layers = decoder_layers(_model(checkpointing=False, offload=False)[0])
+    with pytest.raises(ValueError, match=r"indices \[7\]"):
+        ActivationOffload(layers, offloaded=[7])
+    with pytest.raises(ValueError, match="prefetch_layers=-1"):
+        ActivationOffload(layers, prefetch_layers=-1)
