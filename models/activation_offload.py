@@ -15,7 +15,8 @@ each offloaded decoder layer (module hooks, nothing patched), keyed by the layer
   (the allocator then hands the block to later compute work only after the copy read it).
 - unpack (backward): a layer's first unpack copies its tensors back (unless prefetched) and prefetches the
   next `prefetch_layers` offloaded layers below it (backward runs the layers in reverse), on the side stream
-  into device memory allocated on the compute stream, which waits on each copy's event before use.
+  into device memory allocated on the compute stream, which waits on each copy's event before use. The top
+  offloaded layers are prefetched when the gradient of the last layer's output arrives.
 - a host buffer is freed only after the event of its last copy completed, also when autograd drops a
   handle whose copy is still in flight (`_retire`).
 The last decoder layer keeps its saved tensors on the device: backward starts with it.
@@ -122,6 +123,8 @@ class ActivationOffload:
             layer.register_forward_pre_hook(functools.partial(self._enter, pos, offloaded_here), prepend=True)
             if offloaded_here:
                 layer.register_forward_hook(self._exit, always_call=True)
+        if self.layer_indices:
+            layers[-1].register_forward_hook(self._arm_prefetch)
 
     # ---- inspection (tests, bench) -------------------------------------------------------------
 
@@ -164,6 +167,21 @@ class ActivationOffload:
     def _exit(self, module: nn.Module, args, output) -> None:
         if self._active and self._active[-1][0] is module:
             self._active.pop()[1].__exit__(None, None, None)
+
+    def _arm_prefetch(self, module: nn.Module, args, output) -> None:
+        """After the last layer's forward: its output's gradient hook starts the copy back of the top
+        offloaded layers, so they arrive while the last layer's backward runs."""
+        if not torch.is_grad_enabled() or _recomputing(module) or self._pass is None:
+            return
+        outputs = output if isinstance(output, tuple) else (output,)
+        first = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(functools.partial(self._backward_starts, self._pass))
+
+    def _backward_starts(self, pass_: _Pass, grad) -> None:
+        top = len(self.layer_indices) - 1
+        for pos in range(top, top - self.prefetch_layers, -1):
+            self._fetch_layer(pass_, pos)
 
     def _offloadable(self, tensor, params: set) -> bool:
         return (

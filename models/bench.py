@@ -4,7 +4,12 @@ the same weights in one process.
 
 The reduced model is ENVIRONMENT.md's anchor: hidden 2048, 8 layers (6 GatedDeltaNet + 2 attention),
 64 experts top-8, the real 248,320-token vocabulary, bf16. Cases: one 8192-token sequence, and 16,384
-tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequences).
+tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequences); long single sequences
+(32K, 128K, 256K tokens) with activation checkpointing per decoder layer, ours only (`-ckpt`).
+
+`--offload` (the `offload` option) adds activation offload to ours (`models/activation_offload.py`: each
+decoder layer's saved tensors, its inputs under checkpointing, go to pinned host memory and come back ahead
+of backward); rows then also carry the peak host memory the offload held (`host_gib`).
 
 Providers:
 - ours: `verl_moe.models.build` with the default ops, log-prob through our fused head;
@@ -29,7 +34,20 @@ CASES = [
     # transformers ignores packing: timed, its loss not compared.
     {"id": "qwen3.5-moe-reduced-L8-T16384-N16", "layers": 8, "tokens": 16384, "sequences": 16, "unchecked": ("hf",)},
     {"id": "qwen3.5-moe-reduced-L8-T16384-N64", "layers": 8, "tokens": 16384, "sequences": 64, "unchecked": ("hf",)},
+    # per-layer activation checkpointing, for the long-sequence memory limits (issue 17); the other providers
+    # have no checkpointing here
+    *(
+        {
+            "id": f"qwen3.5-moe-reduced-L8-T{t}-ckpt",
+            "layers": 8,
+            "tokens": t,
+            "checkpoint": True,
+            "providers": ("ours",),
+        }
+        for t in (32768, 131072, 262144)
+    ),
 ]
+OPTIONS = ("offload",)  # what `BenchConfig.extra` may set on every case
 PROVIDERS = ("ours", "veomni", "hf")
 REFERENCE = "veomni"
 MODES = ("fwd", "fwd_bwd")
@@ -138,12 +156,19 @@ def _build_veomni(config, state: dict, device):
 def make_inputs(case: dict, device: torch.device) -> dict:
     """The step's batch and our model; VeOmni's and transformers' models are built from our weights on
     their first `run` (inside the untimed warm-up), so an unselected provider costs nothing."""
+    from torch.distributed._composable import checkpoint
+
     from . import build
+    from .parallelize import decoder_layers, offload_activations
 
     _allow_fla_backward_on_hopper()
     torch.manual_seed(0)
     config = reduced_config(case["layers"])
     ours = build(config, dtype=torch.bfloat16, device=device)
+    offload = offload_activations(ours) if case.get("offload") else None
+    if case.get("checkpoint"):
+        for layer in decoder_layers(ours):
+            checkpoint(layer)
     T, N = case["tokens"], case.get("sequences", 1)
     input_ids = torch.randint(0, config.vocab_size, (1, T), device=device)
     bounds = torch.linspace(0, T, N + 1).long().tolist()
@@ -157,6 +182,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
         "cu_seqlens": cu_seqlens,
         "max_seqlen": max(e - s for s, e in zip(bounds[:-1], bounds[1:])),
         "packed": N > 1,
+        "offload": offload,
     }
 
 
@@ -206,14 +232,18 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
 
 
 def derived(case: dict, provider: str, mode: str, inputs: dict, ms: float, peak_extra_gib: float) -> dict:
-    """Per-row throughput and memory: tokens/s, MFU (2 N T flops forward, 6 N T with backward) and the
-    provider's own peak (its weights + the step's extra peak; the batch is a few KiB)."""
+    """Per-row throughput and memory: tokens/s, MFU (2 N T flops forward, 6 N T with backward; the
+    recompute of checkpointing not counted), the provider's own peak (its weights + the step's extra
+    peak; the batch is a few KiB), and for ours with offload the peak host memory it held."""
     tokens = case["tokens"]
     model = _model(provider, inputs)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 1024**3
     flops = (6 if mode == "fwd_bwd" else 2) * active_params(inputs["ours"]) * tokens
-    return {
+    row = {
         "tokens_per_s": tokens / (ms / 1e3),
         "mfu": flops / (ms / 1e3) / (PEAK_TFLOPS * 1e12),
         "peak_gib": weights + peak_extra_gib,
     }
+    if provider == "ours" and inputs["offload"] is not None:
+        row["host_gib"] = inputs["offload"].peak_host_bytes / 1024**3
+    return row

@@ -1,7 +1,9 @@
 """`verl-moe bench <op>`: every provider of one op in one process, as ratios.
 
 Each `verl_moe.ops.<op>.bench` module declares CASES, PROVIDERS, REFERENCE, MODES, TOLERANCE
-and the functions `unavailable`, `make_inputs`, `run` (see STYLE.md §11). Per case and mode:
+and the functions `unavailable`, `make_inputs`, `run` (see STYLE.md §11); optionally OPTIONS (the keys
+`BenchConfig.extra` may set on every case, e.g. the model step's `offload`) and, per case, `providers`
+(the only ones that run it). Per case and mode:
 untimed warm-up (compile, autotune), a correctness check of every provider against REFERENCE,
 then the median time and the peak memory above the inputs.
 """
@@ -31,7 +33,7 @@ class BenchConfig:
     warmup: int = 2
     reps: int = 10
     json_path: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # options set on every case (the module's OPTIONS)
 
     def __post_init__(self):
         ops = bench_ops()
@@ -88,6 +90,11 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     unknown = set(cfg.modes) - set(bench.MODES)
     if unknown:
         raise ValueError(f"unknown modes {sorted(unknown)} for op {cfg.op}; modes: {list(bench.MODES)}")
+    unknown = set(cfg.extra) - set(getattr(bench, "OPTIONS", ()))
+    if unknown:
+        raise ValueError(
+            f"unknown options {sorted(unknown)} for op {cfg.op}; options: {list(getattr(bench, 'OPTIONS', ()))}"
+        )
     rows, skipped = [], {}
     for p in providers:
         reason = bench.unavailable(p)
@@ -104,14 +111,15 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     }
     active = [p for p in providers if p not in skipped]
     for case in cases if active else []:
+        case_active = [p for p in active if p in case.get("providers", active)]
         for mode in cfg.modes or bench.MODES:
-            inputs = bench.make_inputs(case, dev)
+            inputs = bench.make_inputs({**case, **cfg.extra}, dev)
             ref_out = None
             # The check needs the reference selected (and runnable); deselecting it times only.
-            if case.get("check", True) and bench.REFERENCE in active:
+            if case.get("check", True) and bench.REFERENCE in case_active:
                 ref_out = [t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)]
             timings = {}
-            for p in active:
+            for p in case_active:
                 call = functools.partial(bench.run, p, inputs, mode)
                 for _ in range(cfg.warmup):
                     out = call()
@@ -137,6 +145,7 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                         "rel_rms_vs_ref": err,
                         "rel_rms_per_output": errors,
                         "check_ok": ok,
+                        **cfg.extra,
                     }
                 )
                 if hasattr(bench, "derived"):  # e.g. the model step's tokens/s, MFU and own peak memory

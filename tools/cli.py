@@ -85,6 +85,9 @@ def bench(
     mode: list[str] = typer.Option([], help="fwd and/or fwd_bwd (default: both)"),
     reps: int = typer.Option(10, help="timed repetitions; the median is reported"),
     json_path: str = typer.Option(None, "--json", help="write the report JSON here"),
+    offload: bool = typer.Option(
+        False, "--offload", help="model only: activation offload of ours (decoder layers' saved tensors to host)"
+    ),
 ):
     """Time every provider of one op in one process, after a correctness check."""
     from .bench import BenchConfig, print_report, print_row, run
@@ -97,6 +100,7 @@ def bench(
             modes=tuple(mode),
             reps=reps,
             json_path=json_path,
+            extra={"offload": True} if offload else {},
         ),
         on_row=print_row,
     )

@@ -133,3 +133,19 @@ def test_bad_options():
         ActivationOffload(layers, offloaded=[7])
     with pytest.raises(ValueError, match="prefetch_layers=-1"):
         ActivationOffload(layers, prefetch_layers=-1)
+
+
+@pytest.mark.parametrize("prefetch_layers", [1, 0])
+def test_copies_back_are_issued_ahead_of_each_layer_backward(prefetch_layers):
+    """With prefetch, every offloaded layer's copy back is issued before backward first needs the layer
+    (the top one when the last layer's output gradient arrives, each other at the layer above it);
+    without, inside that first need."""
+    model, handle = _model(checkpointing=True, offload=True, prefetch_layers=prefetch_layers)
+    events = []
+    fetch, restore = handle._fetch, handle._restore
+    handle._fetch = lambda saved: (events.append(("fetch", saved.pos)), fetch(saved))[1]
+    handle._restore = lambda saved: (events.append(("unpack", saved.pos)), restore(saved))[1]
+    _loss(model, 0).backward()
+    for pos in range(len(handle.layer_indices)):
+        first_fetch, first_unpack = events.index(("fetch", pos)), events.index(("unpack", pos))
+        assert (first_fetch < first_unpack) == (prefetch_layers > 0), (pos, events)
