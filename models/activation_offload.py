@@ -191,6 +191,7 @@ class ActivationOffload:
             and tensor.numel() > 0
             and tensor.numel() * tensor.element_size() >= self.min_bytes
             and not (tensor.requires_grad and tensor.is_leaf)
+            and not isinstance(tensor._base, nn.Parameter)  # a view of a weight (a transpose, an expert's slice)
             and tensor.untyped_storage().data_ptr() not in params
         )
 

@@ -149,3 +149,17 @@ def test_copies_back_are_issued_ahead_of_each_layer_backward(prefetch_layers):
     for pos in range(len(handle.layer_indices)):
         first_fetch, first_unpack = events.index(("fetch", pos)), events.index(("unpack", pos))
         assert (first_fetch < first_unpack) == (prefetch_layers > 0), (pos, events)
+
+
+def test_weights_stay_out_of_host_memory():
+    """Without checkpointing the hooks see every saved tensor, weights and views of them included: those
+    stay where they are (FSDP owns their storage), only activations are copied."""
+    model, handle = _model(checkpointing=False, offload=True)
+    loss = _loss(model, 0)
+    views = []
+    for p in decoder_layers(model)[0].parameters():
+        for w in p.unbind(0) if p.dim() == 3 else [p]:  # an expert's slice of the fused weights
+            views += [w, w.transpose(-1, -2)] if w.dim() == 2 else [w]
+    held = handle.held(0)
+    assert held and not any(h.shape == w.shape and torch.equal(h, w) for h in held for w in views)
+    loss.backward()
