@@ -124,6 +124,11 @@ def align(
     out: str = typer.Option("align_out", help="output folder (report.json, plots, traces)"),
     router_dtype: str = typer.Option(None, help="router dtype of every non-golden backend: bf16, fp32, fp64"),
     router_ablation: bool = typer.Option(False, help="run each non-golden backend with a bf16, fp32 and fp64 router"),
+    router_replay: str = typer.Option(
+        None,
+        help="R2: every backend replays its own θ0 routes of each batch in each update; R3: the fp64 reference's θ0 "
+        "routes (the rollout's stand-in); megatron stays free (per backend: name:replay=R2)",
+    ),
     tol: list[str] = typer.Option([], help="metric=value, overrides the default tolerance (repeatable)"),
     loss: str = typer.Option("grpo", help="grpo or gspo (verl's ppo_loss)"),
     seed: int = typer.Option(0, help="seed of the weights and of the batch stream"),
@@ -161,6 +166,7 @@ def align(
             out=out,
             router_dtype=router_dtype,
             router_ablation=router_ablation,
+            router_replay=router_replay,
             tolerances=tuple(tolerances),
             loss=loss,
             seed=seed,

@@ -14,6 +14,8 @@
   verl's agent loop leaves them) gives plain autograd's forced-id log-probs; bad routed_experts
   (missing, wrong [L, TOPK], ids out of range, wrong lengths) are ValueErrors naming the shapes.
 - verl's own VeOmniEngineConfig / FSDPEngineConfig with `router_replay.mode` pass our checks.
+- `verl-moe align` backends `name:replay=R2|R3` (in-process fp64 references): every step routes
+  exactly the θ0 routes, where the free golden has left them by step 1.
 
 Tolerances (fp32): log-probs rel RMS 1e-5; router gradient rel RMS 1e-4; fp32 vs fp64 block 1e-5.
 """
@@ -343,3 +345,33 @@ def test_verl_engine_configs_with_router_replay_pass_our_checks(tmp_path):
     model_config.hf_config = Qwen3_5MoeTextConfig(**top1)
     with pytest.raises(ValueError, match="num_experts_per_tok >= 2"):
         validate_engine_config(model_config, VeOmniEngineConfig(router_replay=EngineRouterReplayConfig(mode="R3")), 1)
+
+
+# ---- verl-moe align --router-replay -------------------------------------------------------------
+
+
+def test_align_router_replay_pins_the_theta0_routes(tmp_path):
+    """In-process fp64 references (tiny preset, 2 steps): R3 routes every step exactly as the stream's
+    fp64 θ0 routed_experts (laid out as verl's agent loop does), R2 exactly as its own θ0 forward (the
+    same model: the same routes), and at step 0 both are bitwise the free golden."""
+    from verl_moe.tools import align
+    from verl_moe.tools.align.trace import BackendTrace, StepTrace
+
+    backends = ("reference", "reference:replay=R2", "reference:replay=R3")
+    report = align.run(align.AlignConfig(backends=backends, steps=2, out=str(tmp_path), progress=False))
+    traces = {}
+    for label in backends:
+        with torch.serialization.safe_globals([BackendTrace, StepTrace]):
+            traces[label] = torch.load(tmp_path / "traces" / f"{label.replace(':', '_').replace('=', '-')}.pt")
+    stream = torch.load(tmp_path / "stream.pt", weights_only=True)
+    for k, rollout in enumerate(stream):
+        routes = rollout["routed_experts"][rollout["attention_mask"].bool()].long().sort(dim=-1).values  # [T, L, K]
+        for label in backends[1:]:
+            topk = traces[label].steps[k].topk
+            assert len(topk) == routes.shape[1] and all(torch.equal(t, routes[:, i]) for i, t in enumerate(topk))
+    pairs = {p["b"]: p for p in report["pairs"] if p["a"] == "reference"}
+    for label in backends[1:]:
+        assert traces[label].settings["router_replay"] == label[-2:]
+        assert torch.equal(traces[label].steps[0].log_probs, traces["reference"].steps[0].log_probs), label
+        # the golden's free routing at step 1 (θ1) left the θ0 routes: pinning them is measurable
+        assert pairs[label]["curves"][0]["router_flip_rate"] == 0 < pairs[label]["curves"][1]["router_flip_rate"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .backends import DTYPES, BackendSpec, parse_backend
+from .backends import DTYPES, REPLAY_MODES, BackendSpec, parse_backend
 from .data import PRESETS, StreamSpec
 from .job import LOSS_MODES, TrainSettings
 from .metrics import METRICS
@@ -60,6 +60,8 @@ class AlignConfig:
         the first that runs is the golden. steps: K optimizer steps. out: output folder.
     router_dtype: router dtype for every backend but the golden (None: each backend's default).
     router_ablation: run each non-golden backend with a bf16, fp32 and fp64 router.
+    router_replay: "R2" | "R3" for every backend offering router replay whose name sets none (the
+        golden included; megatron stays free), None: as the names say (`BackendSpec.replay`).
     tolerances: (metric, value) overrides of DEFAULT_TOLERANCES. loss: grpo | gspo. seed: weights + stream.
     batch_dump: a verl batch dump split into `steps` mini-batches instead of the generated stream
         (safetensors or a torch file of tensors; a pickled `DataProto` needs `trust_pickle`, since
@@ -80,6 +82,7 @@ class AlignConfig:
     out: str = "align_out"
     router_dtype: str | None = None
     router_ablation: bool = False
+    router_replay: str | None = None
     tolerances: tuple[tuple[str, float], ...] = ()
     loss: str = "grpo"
     seed: int = 0
@@ -110,6 +113,8 @@ class AlignConfig:
             raise ValueError(f"loss must be one of {list(LOSS_MODES)}, got {self.loss!r}")
         if self.router_dtype is not None and self.router_dtype not in DTYPES:
             raise ValueError(f"router_dtype must be one of {list(DTYPES)}, got {self.router_dtype!r}")
+        if self.router_replay is not None and self.router_replay not in REPLAY_MODES:
+            raise ValueError(f"router_replay must be one of {list(REPLAY_MODES)}, got {self.router_replay!r}")
         if self.router_dtype is not None and self.router_ablation:
             raise ValueError("router_dtype and router_ablation exclude each other")
         for metric, value in self.tolerances:
@@ -128,8 +133,14 @@ class AlignConfig:
 
 
 def expand_backends(cfg: AlignConfig) -> list[BackendSpec]:
-    """The backend list after --router-dtype / --router-ablation (the first backend, the golden, is kept)."""
+    """The backend list after --router-replay / --router-dtype / --router-ablation (the first backend, the
+    golden, is kept)."""
     specs = [parse_backend(b) for b in cfg.backends]
+    if cfg.router_replay:
+        specs = [
+            replace(s, replay=cfg.router_replay) if s.replay is None and "replay" in s.backend.options else s
+            for s in specs
+        ]
     golden, others = specs[0], specs[1:]
     if cfg.router_dtype:
         others = [s if s.router else replace(s, router=cfg.router_dtype) for s in others]

@@ -106,7 +106,8 @@ def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list
     else:
         spec = cfg.stream or (preset.stream if preset else StreamSpec())
         stream, source = make_stream(spec, hf.vocab_size, cfg.steps, cfg.seed), f"generated (seed {cfg.seed})"
-    fill_old_log_probs(model_dir, stream, cfg.train.temperature)
+    r3 = any(s.replay == "R3" for s in expand_backends(cfg))  # the fp64 θ0 routes ride in the stream
+    fill_old_log_probs(model_dir, stream, cfg.train.temperature, routes=r3)
     if cfg.old_logprob_noise > 0:
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         for batch in stream:

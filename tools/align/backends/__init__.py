@@ -12,7 +12,7 @@
 
 A backend is named `name[:key=value[:key=value...]]`; keys: `dtype` (fp64|fp32|bf16),
 `router` (bf16|fp32|fp64: the router's compute dtype), `world` (ranks), `ep` (veomni: expert-
-parallel size), and
+parallel size), `replay` (R2|R3: router replay, see `BackendSpec`; not megatron), and
 `cfg.<field>[.<subfield>]=<json>` to perturb the HF config the backend builds from (e.g.
 `reference:cfg.rope_parameters.partial_rotary_factor=0.5`, a wrong rotary dim).
 """
@@ -24,15 +24,17 @@ import json
 from . import engine, megatron, reference
 from .spec import DTYPES, Backend, BackendSpec
 
-__all__ = ["BACKENDS", "DTYPES", "Backend", "BackendSpec", "parse_backend", "unavailable"]
+REPLAY_MODES = ("R2", "R3")
+
+__all__ = ["BACKENDS", "DTYPES", "REPLAY_MODES", "Backend", "BackendSpec", "parse_backend", "unavailable"]
 
 # engines train in bf16 on an accelerator, fp32 on CPU
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("reference", ("fp64", "fp64"), False, reference.unavailable, reference.run_reference),
-        Backend("fsdp2", ("bf16", "fp32"), True, engine.fsdp2_unavailable, engine.run_fsdp2_rank),
-        Backend("veomni", ("bf16", "fp32"), True, engine.veomni_unavailable, engine.run_veomni_rank, ("ep",)),
+        Backend("reference", ("fp64", "fp64"), False, reference.unavailable, reference.run_reference, ("replay",)),
+        Backend("fsdp2", ("bf16", "fp32"), True, engine.fsdp2_unavailable, engine.run_fsdp2_rank, ("replay",)),
+        Backend("veomni", ("bf16", "fp32"), True, engine.veomni_unavailable, engine.run_veomni_rank, ("ep", "replay")),
         Backend("megatron", ("bf16", "bf16"), True, megatron.megatron_unavailable, megatron.run_megatron_rank),
     )
 }
@@ -60,11 +62,19 @@ def parse_backend(text: str) -> BackendSpec:
             if key == "ep" and key not in backend.options:
                 raise ValueError(f"ep= in {text!r}: expert parallelism is a veomni engine option")
             kw[key] = int(value)
+        elif key == "replay":
+            if value not in REPLAY_MODES:
+                raise ValueError(f"replay={value!r} in {text!r}: choose from {list(REPLAY_MODES)}")
+            if key not in backend.options:
+                raise ValueError(f"replay= in {text!r}: router replay is not offered by the {name} backend")
+            kw[key] = value
         elif key.startswith("cfg."):
             json.loads(value)  # must be a JSON literal
             overrides.append((key[4:], value))
         else:
-            raise ValueError(f"unknown backend option {key!r} in {text!r}; keys: dtype, router, world, ep, cfg.<field>")
+            raise ValueError(
+                f"unknown backend option {key!r} in {text!r}; keys: dtype, router, world, ep, replay, cfg.<field>"
+            )
     return BackendSpec(backend=backend, overrides=tuple(overrides), **kw)
 
 

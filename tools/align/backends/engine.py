@@ -61,6 +61,7 @@ def build_fsdp2_engine(spec: BackendSpec, model_dir: str, train: TrainSettings, 
         mixed_precision={"param_dtype": spec.compute_dtype, "reduce_dtype": "fp32"},
         ops=spec.ops_config(),
         use_dynamic_bsz=False,
+        **_replay(spec),
     )
     optimizer = dict(**_adamw(train), lr_warmup_steps=train.warmup_steps, total_training_steps=total_steps)
     return MoeFsdp2Engine(*engine_configs("fsdp2", model_dir, engine, optimizer), checkpoint_config=None)
@@ -76,6 +77,7 @@ def build_veomni_engine(spec: BackendSpec, model_dir: str, train: TrainSettings,
         expert_parallel_size=spec.ep or 1,
         ops=spec.ops_config(),
         use_dynamic_bsz=False,
+        **_replay(spec),
     )
     optimizer = dict(
         **_adamw(train),
@@ -83,6 +85,13 @@ def build_veomni_engine(spec: BackendSpec, model_dir: str, train: TrainSettings,
         total_training_steps=total_steps,
     )
     return MoeVeOmniEngine(*engine_configs("veomni", model_dir, engine, optimizer), checkpoint_config=None)
+
+
+def _replay(spec: BackendSpec) -> dict:
+    """The engine config's router_replay (verl's key) for the spec's replay mode, {} without one."""
+    from verl.workers.config import EngineRouterReplayConfig
+
+    return {"router_replay": EngineRouterReplayConfig(mode=spec.replay)} if spec.replay else {}
 
 
 def _adamw(train: TrainSettings) -> dict:
@@ -147,6 +156,14 @@ def run_engine_rank(job: Job, spec: BackendSpec, progress: Callable[[int], None]
     model = engine.module.model
     params = dict(model.named_parameters())
     probe = Probe({n: p.numel() for n, p in params.items()}, budget=train.probe_budget)
+    own_routes = []  # router replay R2: the engine's routes of each batch at θ0, recorded by infer_batch
+    if spec.replay == "R2":
+        for k, batch in enumerate(stream):
+            td = rank_batch(batch, k, rank, world, train.temperature)
+            n = batch["input_ids"].shape[0]
+            tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=n // world)
+            with engine.eval_mode():
+                own_routes.append(engine.infer_batch(td)["model_output"]["routed_experts"])
 
     def probe_full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         full = {n: _full(t).detach() for n, t in tensors.items()}  # collective: every rank
@@ -165,6 +182,8 @@ def run_engine_rank(job: Job, spec: BackendSpec, progress: Callable[[int], None]
             calculate_entropy=True,
             return_model_output=True,
         )
+        if own_routes:
+            td["routed_experts"] = own_routes[k]
         with engine.train_mode():
             engine.optimizer_zero_grad()
             out = engine.forward_backward_batch(td, loss_fn, forward_only=False)

@@ -1,6 +1,11 @@
 """The `reference` backend: the model spec eager in one process (fp64 unless the name says
 otherwise); log-probs and entropy from full logits (`ops/logprob/reference.py`, not the fused op),
-verl's `ppo_loss`, torch AdamW with verl's LR schedule. Also the θ0 `old_log_probs` of the stream."""
+verl's `ppo_loss`, torch AdamW with verl's LR schedule. Also the θ0 `old_log_probs` of the stream (and,
+for router replay R3, its θ0 `routed_experts`: the rollout's stand-in).
+
+Router replay (`BackendSpec.replay`, the engines' `engines/router_replay.py` on the eager model): R2
+records the model's own routes of every batch at θ0 (forward only, before step 1) and replays them in
+every update; R3 replays the batch's `routed_experts`."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from verl_moe.ops.logprob.reference import logprobs_and_entropy_ref
 from ..data import to_verl
 from ..job import Job, actor_config, lr_schedule, release_device_memory
 from ..trace import BackendTrace, Probe, record_steps, response_values
+from .engine import RouterRecorder
 from .spec import DTYPES, BackendSpec
 
 
@@ -33,10 +39,23 @@ def full_logprobs(model, hidden: torch.Tensor, labels: torch.Tensor, temperature
     return logprobs_and_entropy_ref(hidden, weight, labels, temperature, dtype=dtype)
 
 
+def _routed(model, replay, td, action: str, dev):
+    """Forward of `model` over the packed batch `td` with `replay` armed for `action` (RECORD: returns the
+    nested routed_experts [N, j, L, TOPK]; REPLAY: replays td's and returns the model output)."""
+    from verl_moe.engines.batch import pack_micro_batch
+    from verl_moe.engines.router_replay import RECORD
+
+    packed = pack_micro_batch(td, dev)
+    with replay.armed(action, td, packed, None):
+        out = model(packed.input_ids, packed.position_ids, packed.cu_seqlens, output_router_logits=True)
+        return replay.recorded(packed, None) if action == RECORD else out
+
+
 def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] | None = None) -> BackendTrace:
     """The model spec eager in one process (fp64 unless the spec says otherwise)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
+    from verl_moe.engines.router_replay import RECORD, REPLAY, RouterReplay
     from verl_moe.ops import device
 
     from verl_moe import models
@@ -54,6 +73,15 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
     )
     scheduler = lr_schedule(job.train, optimizer)
     top_k = model.arch.num_experts_per_tok
+    replay = RouterReplay(model) if spec.replay else None
+    own_routes = []  # R2: this model's routes of each batch at θ0
+    if spec.replay == "R2":
+        with torch.no_grad():
+            for batch in stream:
+                td = to_verl(batch, job.train.temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
+                own_routes.append(_routed(model, replay, td, RECORD, dev))
+    # under replay the routers' output ids are the replayed ones (their logits' top-k are the free choice)
+    recorder = None if replay is None else RouterRecorder(model)
 
     def train_step(k: int, batch: dict[str, torch.Tensor]) -> dict:
         td = to_verl(batch, job.train.temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
@@ -62,7 +90,12 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
         tokens = ids.values()  # [T] packed; the model takes [1, T] plus cu_seqlens
         positions = td["position_ids"].values()
         optimizer.zero_grad(set_to_none=True)
-        out = model(tokens[None], positions[None], offsets.to(torch.int32), output_router_logits=True)
+        if replay is None:
+            out = model(tokens[None], positions[None], offsets.to(torch.int32), output_router_logits=True)
+        else:
+            if own_routes:
+                td["routed_experts"] = own_routes[k]
+            out = _routed(model, replay, td, REPLAY, dev)
         labels = torch.roll(tokens, shifts=-1)
         logp, entropy = full_logprobs(model, out.last_hidden_state[0], labels, job.train.temperature)
         model_output = {
@@ -83,7 +116,7 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
             loss=loss.item(),
             grad_norm=grad_norm,
             grads=grads,
-            topk=topk_sets(out.router_logits, top_k),
+            topk=topk_sets(out.router_logits, top_k) if recorder is None else recorder.take(),
             lr=lr,
         )
 
@@ -91,10 +124,13 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
 
 
 @torch.no_grad()
-def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: float) -> None:
+def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: float, routes: bool = False) -> None:
     """Set each batch's `old_log_probs` [B, R] (fp32, 0 on padding) from the fp64 reference at θ0,
-    as verl recomputes them with the actor before an update."""
+    as verl recomputes them with the actor before an update; with `routes`, also its θ0
+    `routed_experts` [B, S, L, TOPK] int16 (0 on padding), as verl's agent loop lays out the
+    rollout's routes for R3. Keys a batch already holds (a verl dump) are kept."""
     from verl.workers.utils.padding import no_padding_2_padding
+    from verl_moe.engines.router_replay import RECORD, RouterReplay
     from verl_moe.ops import device
 
     from verl_moe import models
@@ -102,10 +138,17 @@ def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: f
     dev = device.current_device()
     ops = models.OpsConfig(router_dtype="fp64")  # the reference's own: an fp64 model routes in fp64
     model = models.from_pretrained(model_dir, dtype=torch.float64, device=dev, ops=ops)
+    replay = RouterReplay(model) if routes else None
     for batch in stream:
+        td = to_verl(batch, temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
+        if routes and "routed_experts" not in batch:
+            values = _routed(model, replay, td, RECORD, dev).values().cpu()
+            mask = batch["attention_mask"].bool()
+            padded = torch.zeros(*mask.shape, *values.shape[1:], dtype=values.dtype)
+            padded[mask] = values  # row-major over the valid tokens, as verl's unpad_input packs them
+            batch["routed_experts"] = padded
         if "old_log_probs" in batch:
             continue
-        td = to_verl(batch, temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
         tokens, offsets = td["input_ids"].values(), td["input_ids"].offsets()
         out = model(tokens[None], td["position_ids"].values()[None], offsets.to(torch.int32))
         logp, _ = full_logprobs(model, out.last_hidden_state[0], torch.roll(tokens, -1), temperature)

@@ -33,13 +33,16 @@ class Backend:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A parsed backend name. dtype / router / world / ep are None where the backend's default applies."""
+    """A parsed backend name. dtype / router / world / ep are None where the backend's default applies;
+    replay: router replay ("R2": replay the backend's own θ0 routes of each batch in every update,
+    "R3": replay the fp64 reference's θ0 routes, the rollout's stand-in) or None (free routing)."""
 
     backend: Backend = field(repr=False)
     dtype: str | None = None
     router: str | None = None
     world: int | None = None
     ep: int | None = None  # expert-parallel size (veomni)
+    replay: str | None = None
     overrides: tuple[tuple[str, str], ...] = ()
 
     def __repr__(self) -> str:
@@ -52,7 +55,13 @@ class BackendSpec:
     @property
     def label(self) -> str:
         parts = [self.name]
-        options = (("dtype", self.dtype), ("router", self.router), ("world", self.world), ("ep", self.ep))
+        options = (
+            ("dtype", self.dtype),
+            ("router", self.router),
+            ("world", self.world),
+            ("ep", self.ep),
+            ("replay", self.replay),
+        )
         parts += [f"{k}={v}" for k, v in options if v]
         parts += [f"cfg.{k}={v}" for k, v in self.overrides]
         return ":".join(parts)
@@ -87,5 +96,6 @@ class BackendSpec:
             "dtype": self.compute_dtype,
             "router_dtype": self.router_dtype,
             "world_size": world,
+            "router_replay": self.replay,
             "overrides": [f"{k}={v}" for k, v in self.overrides],
         }
