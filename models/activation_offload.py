@@ -76,6 +76,8 @@ class _Pass:
         self.saved: dict[int, list[weakref.ref]] = {}
         self.copying: list[weakref.ref] = []  # handles still holding their original device tensor
         self.started: set[int] = set()  # positions whose backward began (their first unpack)
+        # id(tensor) -> (weak tensor, weak handle, position): a tensor saved again (cos / sin go to every layer)
+        self.seen: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
 
 
 class ActivationOffload:
@@ -203,6 +205,12 @@ class ActivationOffload:
     def _pack(self, pass_: _Pass, pos: int, params: set, tensor):
         if not self._offloadable(tensor, params):
             return tensor
+        seen = pass_.seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:
+            # saved before in this forward: by this layer, share its handle; by an earlier one, the tensor lives
+            # on the device anyway (whoever saved it first copied it), so a second copy would free nothing
+            handle = seen[1]() if seen[2] == pos else None
+            return handle if handle is not None and handle.state == _ON_DEVICE_AND_HOST else tensor
         mod, side = self._mod, self._side_stream()
         produced = mod.Event()
         produced.record(mod.current_stream())
@@ -213,6 +221,7 @@ class ActivationOffload:
         copied = mod.Event()
         copied.record(side)
         saved = _Saved(self, pass_, pos, tensor, host, copied)
+        pass_.seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(saved), pos)
         pass_.saved.setdefault(pos, []).append(weakref.ref(saved))
         pass_.copying.append(weakref.ref(saved))
         nbytes = host.numel() * host.element_size()
