@@ -408,12 +408,14 @@ def test_dispatch_resolves_triton():
 # ---- GPU: Qwen3.5-35B shapes --------------------------------------------------------------
 
 QWEN = dict(H=16, HV=32, K=128, V=128)
+MID = dict(H=8, HV=16, K=64, V=64)  # the mid-qwen3.5-moe align preset
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN, MID], ids=["qwen3.5-35b", "mid-preset"])
 @pytest.mark.parametrize("dtype,gate", [(torch.bfloat16, "g"), (torch.bfloat16, "in_kernel"), (torch.float32, "g")])
-def test_gpu_qwen_shapes_match_reference(dtype, gate):
-    x = make_inputs(2, 1000, dtype=dtype, gate=gate, **QWEN)
+def test_gpu_qwen_shapes_match_reference(dtype, gate, shape):
+    x = make_inputs(2, 1000, dtype=dtype, gate=gate, **shape)
     # The chunked reference (equal to the recurrent one to 1e-10 in fp64, tested above) is faster.
     check_against_reference(x, dtype=dtype, ref=chunk_gated_delta_rule_ref)
 

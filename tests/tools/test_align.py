@@ -312,3 +312,30 @@ def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path, capsys):
     align.print_report(report)
     printed = capsys.readouterr().out
     assert "fsdp2 vs veomni:ep=2" in printed and "workers ran 2 at a time" in printed
+
+
+def test_traces_load_with_weights_only_from_concurrent_threads(tmp_path):
+    """--jobs loads the workers' traces from several threads at once; each must load with
+    weights_only=True (a per-call `safe_globals` context lost the allowlist to another thread's exit)."""
+    import threading
+
+    from verl_moe.tools.align import launch  # noqa: F401 (allows the trace classes)
+
+    step = StepTrace(torch.zeros(3), torch.zeros(3), 0.5, 1.0, {}, {}, [torch.zeros(3, 2, dtype=torch.long)])
+    path = tmp_path / "trace.pt"
+    torch.save(BackendTrace("a", {"dtype": "fp64"}, steps=[step]), path)
+    failures = []
+
+    def load_many():
+        for _ in range(40):
+            try:
+                assert torch.load(path, weights_only=True).steps[0].loss == 0.5
+            except Exception as e:  # noqa: BLE001 (collected, asserted below)
+                failures.append(repr(e)[:120])
+
+    threads = [threading.Thread(target=load_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]

@@ -44,7 +44,8 @@ embedding, the model-parallel CUDA RNG tracker in attention, `torch.cuda.Stream`
 dispatcher); megatron-core < 0.17 without TransformerEngine (its MoE router gating reads an
 undefined `te_general_gemm`). Qwen3.5-MoE (GatedDeltaNet + gated attention, (1 + w) norms,
 shared expert) builds from a local composition in `megatron_qwen35.py`; its GDN kernels come from
-fla (on a GPU; megatron refuses to build GatedDeltaNet without fla).
+fla (on a GPU; megatron refuses to build GatedDeltaNet without fla). Where fla refuses its backward
+(Hopper with Triton < 3.7.1, a known miscompile) the layers run megatron's own torch chunked kernel.
 """
 
 from __future__ import annotations
@@ -430,6 +431,10 @@ def build_megatron(
     del hf_model
     config = transformer_config(arch, dtype, router, dev.type == "cpu", token_dispatcher)
     gpt = build_gpt_model(config, arch)
+    refused = qwen35.fla_backward_refused() if dev.type == "cuda" else None
+    if refused and "linear_attention" in arch.layer_types:
+        n = qwen35.use_megatron_torch_gdn(gpt)
+        print(f"megatron: {refused}: {n} GatedDeltaNet layers run megatron's torch_chunk_gated_delta_rule", flush=True)
     load_hf_weights(gpt, hf_weights, arch)
     gpt.to(dev)
     wrapped = Float16Module(config, gpt) if dtype == "bf16" else gpt

@@ -38,6 +38,36 @@ import torch
 GDN_HF = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
+def fla_backward_refused() -> str | None:
+    """Why fla's gated delta rule cannot train here, or None. fla 0.6 raises in its backward on
+    Hopper with Triton in [3.4, 3.7.1): a Triton miscompile of `chunk_bwd_dqkwg` (fla issue #640,
+    wrong db / dg)."""
+    try:
+        from fla import utils
+    except ImportError:
+        return None
+    if getattr(utils, "IS_NVIDIA_HOPPER", False) and utils.TRITON_ABOVE_3_4_0 and not utils.TRITON_ABOVE_3_7_1:
+        return "fla's gated chunk backward is refused on Hopper with Triton < 3.7.1 (fla #640)"
+    return None
+
+
+def use_megatron_torch_gdn(gpt) -> int:
+    """Point every GatedDeltaNet of `gpt` at megatron-core's own torch chunked kernel
+    (`torch_chunk_gated_delta_rule`, what its deterministic mode runs; fla still gives conv1d and
+    l2norm). Returns how many layers changed. megatron >= 0.19 picks the kernel per module
+    (`gated_delta_rule`); older versions call the module-level name, patched here."""
+    from megatron.core.ssm import gated_delta_net
+
+    fallback = gated_delta_net.torch_chunk_gated_delta_rule
+    layers = [m for m in gpt.modules() if type(m).__name__ == "GatedDeltaNet"]
+    for m in layers:
+        if hasattr(m, "gated_delta_rule"):
+            m.gated_delta_rule = fallback
+        else:
+            gated_delta_net.chunk_gated_delta_rule = fallback
+    return len(layers)
+
+
 class UnitOffsetRMSNorm(torch.nn.Module):
     """RMSNorm with weight stored as an offset from 1 (y = x / rms(x) * (1 + w), in fp32, back to
     x's dtype): megatron's zero-centered gamma, with the local norm's constructor."""
