@@ -11,13 +11,15 @@ Tolerances (fp32):
 | causal=False attention vs the fp64 formula        | fp32 1e-6, fp64 1e-12  |
 """
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.ops.attention import causal_attention
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.testing import assert_rel_rms, rel_rms
 
 IMAGE, VIDEO, START, END = 120, 121, 118, 119
 MERGE = 2
@@ -306,9 +308,12 @@ def test_text_only_equals_the_text_model(pair):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_model_matches_fp64_reference():
+def test_gpu_bf16_kernels_as_close_to_fp64_as_the_bf16_references():
     """The default accelerator ops (rope kernel at the vision head dim, flash varlen causal=False over the
-    frames, the text kernels) in bf16 vs the same weights in fp64 on the CPU: rel RMS <= 2e-2."""
+    frames, the text kernels) in bf16 vs the same weights in fp64 on the CPU, against the bf16 model on
+    every op's torch reference on the same device: the kernels may not add error (rel RMS at most 1.25x
+    the references' + 1e-3). A fixed tolerance does not fit: a random-router MoE in bf16 is already
+    2.4e-2 from fp64 (H200), from top-k near-ties, whichever ops run."""
     from verl_moe.ops import device
 
     torch.manual_seed(0)
@@ -316,16 +321,22 @@ def test_gpu_bf16_model_matches_fp64_reference():
     ref = vm.build(config, dtype=torch.float64)
     randomize(ref)
     dev = device.current_device()
-    ours = vm.build(config, dtype=torch.bfloat16, device=dev)
-    ours.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(9)
     ids, pix, _ = sample(gen, images=[(1, 8, 8), (1, 6, 4)])
     ids, grid, pixels = ids[None], torch.tensor([[1, 8, 8], [1, 6, 4]]), torch.cat(pix)
     pos, _ = ref.rope_index(ids, grid)
     with torch.no_grad():
         want = ref(ids, pos, pixel_values=pixels.double(), image_grid_thw=grid).last_hidden_state
-        got = ours(ids.to(dev), pos.to(dev), pixel_values=pixels.to(dev), image_grid_thw=grid.to(dev))
-    assert_rel_rms("bf16 hidden vs fp64", want, got.last_hidden_state.cpu(), 2e-2)
+    errors = {}
+    every_op_on_torch = {f.name: "torch" for f in dataclasses.fields(vm.OpsConfig) if f.name != "router_dtype"}
+    for name, ops in (("kernels", None), ("torch", every_op_on_torch)):
+        model = vm.build(config, dtype=torch.bfloat16, device=dev, ops=ops)
+        model.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            out = model(ids.to(dev), pos.to(dev), pixel_values=pixels.to(dev), image_grid_thw=grid.to(dev))
+        errors[name] = rel_rms(want, out.last_hidden_state.cpu())
+    print(errors)
+    assert errors["kernels"] <= 1.25 * errors["torch"] + 1e-3, errors
 
 
 @pytest.mark.parametrize(
