@@ -195,12 +195,17 @@ class Experts(nn.Module):
         self.ops = ops
         self.expert_parallel: ExpertParallelGroup | None = None
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E_local, 2I, D], down [E_local, D, I]) as the experts op takes them: this rank's
+        experts (the local block under expert parallelism). `models/lora.py` adds its adapters here."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.expert_weights()
         if self.expert_parallel is None:
-            return self.ops.experts(hidden, self.gate_up_proj, self.down_proj, topk_idx, topk_weight)
+            return self.ops.experts(hidden, gate_up, down, topk_idx, topk_weight)
         from ..ops.experts.expert_parallel import moe_experts_expert_parallel
 
-        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
         return moe_experts_expert_parallel(
             hidden, gate_up, down, topk_idx, topk_weight, self.expert_parallel, experts=self.ops.experts
         )
