@@ -38,6 +38,9 @@ class StreamSpec:
     group_size: int = 4
     prompt_len: tuple[int, int] = (3, 12)
     response_len: tuple[int, int] = (2, 20)
+    # vision-language presets: prompt i holds one image of grid image_grids[i % len] ((t, h, w) in
+    # patches; () = a text prompt), as `<vision_start> placeholders <vision_end>` after its first tokens
+    image_grids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         if self.num_prompts < 1 or self.group_size < 1:
@@ -46,6 +49,9 @@ class StreamSpec:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        for grid in self.image_grids:
+            if grid and (len(grid) != 3 or min(grid) < 1):
+                raise ValueError(f"image_grids entries are (t, h, w) >= 1 or (), got {grid}")
 
     @property
     def batch_size(self) -> int:
@@ -57,7 +63,7 @@ class Preset:
     """A named model + stream. `config` holds the HF config fields of `family`."""
 
     name: str
-    family: str  # "qwen3_5_moe" | "qwen3_moe"
+    family: str  # "qwen3_5_moe" | "qwen3_moe" | "qwen3_5_moe_vl" (config: text, vision, placeholder ids)
     config: dict = field(hash=False)
     stream: StreamSpec = StreamSpec()
     needs_gpu: bool = False
@@ -109,6 +115,27 @@ _MID_Q3 = dict(  # ~0.7B parameters: fits fp64 + Adam on one H200
     norm_topk_prob=True,
     initializer_range=0.02,
 )
+_TINY_VISION = dict(  # 2 ViT blocks of width 16, 2x2 merge: one merged token per 4 patches
+    depth=2,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=64,  # the text model's hidden size
+    patch_size=2,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    in_channels=3,
+    num_position_embeddings=16,
+    initializer_range=0.2,
+)
+_TINY_Q35_VL = dict(  # placeholder ids at the top of the vocabulary: the stream's text ids stay below them
+    text=_TINY_Q35,
+    vision=_TINY_VISION,
+    image_token_id=511,
+    video_token_id=510,
+    vision_start_token_id=508,
+    vision_end_token_id=509,
+)
 _MID_Q35 = dict(  # ~0.5B parameters (experts 0.40B): fp64 + Adam and three bf16 backends share one H200
     vocab_size=32000,  # documented smaller vocabulary (the released models have 248k); the stream is random ids
     hidden_size=1024,
@@ -132,6 +159,12 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("tiny-qwen3.5-moe", "qwen3_5_moe", _TINY_Q35),
         Preset("tiny-qwen3-moe", "qwen3_moe", _TINY_Q3),
+        Preset(  # issue 19: images in the stream (a text prompt among them: ranks without images too)
+            "tiny-qwen3.5-moe-vl",
+            "qwen3_5_moe_vl",
+            _TINY_Q35_VL,
+            StreamSpec(image_grids=((1, 4, 4), ()), prompt_len=(3, 8), response_len=(2, 12)),
+        ),
         Preset(
             "mid-qwen3-moe",
             "qwen3_moe",
@@ -160,10 +193,54 @@ def get_preset(name: str) -> Preset:
 
 def hf_config(preset: Preset):
     """The transformers config object of `preset`."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 
+    if preset.family == "qwen3_5_moe_vl":
+        c = preset.config
+        text = Qwen3_5MoeTextConfig(**c["text"]).to_dict()
+        # 25% of head_dim 16 rotates: 2 frequencies, one each for t and h (interleaved, as released)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        ids = {k: v for k, v in c.items() if k.endswith("_token_id")}
+        return Qwen3_5MoeConfig(text_config=text, vision_config=c["vision"], **ids)
     cls = {"qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_moe": Qwen3MoeConfig}[preset.family]
     return cls(**preset.config)
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """What the stream needs to put images in prompts: the placeholder ids, the tower's merge size and
+    the width of one pixel patch (channels x temporal patch x patch x patch)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    patch_dim: int
+
+    @classmethod
+    def of(cls, config) -> VisionTokens | None:
+        """The vision tokens of an HF config, or None for a text model."""
+        v = getattr(config, "vision_config", None)
+        if v is None:
+            return None
+        return cls(
+            config.image_token_id,
+            config.video_token_id,
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+            v.spatial_merge_size,
+            v.in_channels * v.temporal_patch_size * v.patch_size**2,
+        )
+
+    @property
+    def first_special_id(self) -> int:
+        return min(self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+
+
+def text_vocab_size(config) -> int:
+    """vocab_size of an HF config (a vision-language one keeps it in text_config)."""
+    return getattr(config, "text_config", config).vocab_size
 
 
 def create_model_dir(preset: Preset, seed: int, path: str | Path) -> Path:
@@ -175,7 +252,12 @@ def create_model_dir(preset: Preset, seed: int, path: str | Path) -> Path:
     path = Path(path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config(preset), dtype=torch.float32)
+        if preset.family == "qwen3_5_moe_vl":
+            from transformers import Qwen3_5MoeForConditionalGeneration
+
+            model = Qwen3_5MoeForConditionalGeneration._from_config(hf_config(preset), dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(hf_config(preset), dtype=torch.float32)
     model.save_pretrained(path)
     return path
 
@@ -247,35 +329,86 @@ def rollout_batch(
     }
 
 
-def make_batch(spec: StreamSpec, vocab_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """One padded verl rollout batch of `spec.batch_size` sequences (no old_log_probs yet)."""
+def make_batch(
+    spec: StreamSpec, vocab_size: int, generator: torch.Generator, vision: VisionTokens | None = None
+) -> dict[str, torch.Tensor]:
+    """One padded verl rollout batch of `spec.batch_size` sequences (no old_log_probs yet). With
+    `spec.image_grids` (and `vision`): the prompts' images, `multi_modal_inputs` per row as verl's agent
+    loop writes it, and verl's 4-row position ids [B, 4, P+R] (text row, then the 3 mRoPE rows)."""
+    if spec.image_grids and vision is None:
+        raise ValueError("a stream with image_grids needs a vision-language model (its placeholder ids)")
+    text_vocab = vision.first_special_id if vision is not None else vocab_size
 
     def lengths(lo_hi, n):
         lo, hi = lo_hi
         return torch.randint(lo, hi + 1, (n,), generator=generator)
 
+    def text(n):
+        return torch.randint(1, text_vocab, (n,), generator=generator)
+
     b, g = spec.batch_size, spec.group_size
-    p_len = lengths(spec.prompt_len, spec.num_prompts).repeat_interleave(g)
+    prompt_tokens, media = [], []
+    for i, n in enumerate(lengths(spec.prompt_len, spec.num_prompts).tolist()):
+        grid = spec.image_grids[i % len(spec.image_grids)] if spec.image_grids else ()
+        if not grid:
+            prompt_tokens.append(text(n))
+            media.append({})
+            continue
+        t, h, w = grid
+        placeholders = torch.full((t * h * w // vision.spatial_merge_size**2,), vision.image_token_id)
+        start, end = torch.tensor([vision.vision_start_token_id]), torch.tensor([vision.vision_end_token_id])
+        head = text(min(n, 2))
+        prompt_tokens.append(torch.cat([head, start, placeholders, end, text(n - head.numel())]))
+        media.append(
+            {
+                "pixel_values": torch.randn(t * h * w, vision.patch_dim, generator=generator),
+                "image_grid_thw": torch.tensor([grid]),
+                "images_seqlens": torch.tensor([h * w] * t),
+            }
+        )
+    p_len = torch.tensor([x.numel() for x in prompt_tokens]).repeat_interleave(g)
     r_len = lengths(spec.response_len, b)
     p_max, r_max = int(p_len.max()), int(r_len.max())
     prompts = torch.full((b, p_max), PAD_ID, dtype=torch.long)
     responses = torch.full((b, r_max), PAD_ID, dtype=torch.long)
-    for i in range(spec.num_prompts):
-        n = int(p_len[i * g])
-        tokens = torch.randint(1, vocab_size, (n,), generator=generator)
-        prompts[i * g : (i + 1) * g, p_max - n :] = tokens  # the same prompt for the whole group
+    for i, tokens in enumerate(prompt_tokens):
+        prompts[i * g : (i + 1) * g, p_max - tokens.numel() :] = tokens  # the same prompt for the whole group
     for i in range(b):
         n = int(r_len[i])
-        responses[i, :n] = torch.randint(1, vocab_size, (n,), generator=generator)
+        responses[i, :n] = text(n)
     scores = torch.randn(b, generator=generator)  # continuous rewards: no group has zero advantage
     batch = rollout_batch(prompts, responses, p_len, r_len)
-    return {**batch, "advantages": _grpo_advantages(scores, batch["response_mask"], g)}
+    batch["advantages"] = _grpo_advantages(scores, batch["response_mask"], g)
+    if spec.image_grids:
+        rows = [m for m in media for _ in range(g)]
+        batch["position_ids"] = _four_row_positions(batch, rows, vision)
+        batch["multi_modal_inputs"] = rows
+    return batch
 
 
-def make_stream(spec: StreamSpec, vocab_size: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def _four_row_positions(batch: dict, media: list[dict], vision: VisionTokens) -> torch.Tensor:
+    """verl's [B, 4, L] position ids of a padded multimodal batch: the text row 0..n-1 over each row's
+    valid tokens, then the mRoPE rows of transformers' `get_rope_index` (0 on padding)."""
+    from verl_moe.models import mrope_position_ids
+
+    mask = batch["attention_mask"].bool()
+    out = torch.zeros(mask.shape[0], 4, mask.shape[1], dtype=torch.long)
+    for i, m in enumerate(media):
+        ids = batch["input_ids"][i, mask[i]][None]
+        rope, _ = mrope_position_ids(
+            ids, vision.image_token_id, vision.video_token_id, vision.spatial_merge_size, m.get("image_grid_thw")
+        )
+        out[i, 0, mask[i]] = torch.arange(ids.shape[1])
+        out[i, 1:, mask[i]] = rope[:, 0]
+    return out
+
+
+def make_stream(
+    spec: StreamSpec, vocab_size: int, steps: int, seed: int, vision: VisionTokens | None = None
+) -> list[dict[str, torch.Tensor]]:
     """`steps` batches, deterministic in `seed` (one per optimizer step)."""
     generator = torch.Generator().manual_seed(seed)
-    return [make_batch(spec, vocab_size, generator) for _ in range(steps)]
+    return [make_batch(spec, vocab_size, generator, vision) for _ in range(steps)]
 
 
 def save_batch_dump(batch, path: str | Path) -> Path:
@@ -378,9 +511,17 @@ def to_verl(batch: dict[str, torch.Tensor], temperature: float, global_batch_siz
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    td = tu.get_tensordict(
-        dict(batch), non_tensor_dict={"temperature": temperature, "global_batch_size": global_batch_size}
-    )
+    non_tensor = {"temperature": temperature, "global_batch_size": global_batch_size}
+    if "multi_modal_inputs" not in batch:
+        return left_right_2_no_padding(tu.get_tensordict(dict(batch), non_tensor_dict=non_tensor))
+    # verl's multimodal layout: multi_modal_inputs rides per sample, as DataProto's non-tensor batch holds it
+    from verl import DataProto
+
+    tensors = {k: v for k, v in batch.items() if k != "multi_modal_inputs"}
+    data = DataProto.from_single_dict(tensors)
+    data.non_tensor_batch["multi_modal_inputs"] = np.array(batch["multi_modal_inputs"], dtype=object)
+    td = data.to_tensordict()
+    tu.assign_non_tensor(td, **non_tensor)
     return left_right_2_no_padding(td)
 
 

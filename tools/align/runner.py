@@ -47,7 +47,18 @@ import torch
 from .backends import BackendSpec, unavailable
 from .backends.reference import fill_old_log_probs
 from .config import ROUTER_ABLATION, AlignConfig, expand_backends, tolerances_for
-from .data import StreamSpec, create_model_dir, get_preset, label_slug, load_batch_dump, make_stream, model_dir_for
+from .data import (
+    StreamSpec,
+    VisionTokens,
+    create_model_dir,
+    get_preset,
+    hf_config,
+    label_slug,
+    load_batch_dump,
+    make_stream,
+    model_dir_for,
+    text_vocab_size,
+)
 from .job import Job
 from .launch import run_backend
 from .metrics import compare
@@ -78,9 +89,9 @@ def check_inputs(cfg: AlignConfig, specs: list[BackendSpec]) -> tuple[dict[str, 
         if cfg.model:
             from transformers import AutoConfig
 
-            vocab = AutoConfig.from_pretrained(cfg.model).vocab_size
+            vocab = text_vocab_size(AutoConfig.from_pretrained(cfg.model))
         else:
-            vocab = get_preset(cfg.preset).config["vocab_size"]
+            vocab = text_vocab_size(hf_config(get_preset(cfg.preset)))
         top = max(int(b["input_ids"].max()) for b in dump)
         if top >= vocab:
             raise ValueError(f"batch dump {cfg.batch_dump}: token id {top} >= the model's vocab_size {vocab}")
@@ -105,7 +116,8 @@ def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list
         stream, source = dump, str(cfg.batch_dump)
     else:
         spec = cfg.stream or (preset.stream if preset else StreamSpec())
-        stream, source = make_stream(spec, hf.vocab_size, cfg.steps, cfg.seed), f"generated (seed {cfg.seed})"
+        stream = make_stream(spec, text_vocab_size(hf), cfg.steps, cfg.seed, VisionTokens.of(hf))
+        source = f"generated (seed {cfg.seed})"
     r3 = any(s.replay == "R3" for s in expand_backends(cfg))  # the fp64 θ0 routes ride in the stream
     fill_old_log_probs(model_dir, stream, cfg.train.temperature, routes=r3)
     if cfg.old_logprob_noise > 0:

@@ -19,6 +19,7 @@ import torch
 
 # Parameter groups, by the first pattern that matches the HF parameter name.
 PARAM_GROUPS: tuple[tuple[str, str], ...] = (
+    ("vision", r"^model\.visual\."),  # a vision-language model's tower (first: its blocks have attn / mlp too)
     ("router", r"\.mlp\.gate\.weight$"),
     ("experts", r"\.mlp\.(experts|shared_expert|shared_expert_gate)\."),
     ("gdn", r"\.linear_attn\."),
@@ -29,7 +30,7 @@ OTHER_GROUP = "other"  # norms, dense MLPs
 
 
 def param_group(name: str) -> str:
-    """The group of an HF parameter name: router, experts, gdn, attention, embeddings or other."""
+    """The group of an HF parameter name: vision, router, experts, gdn, attention, embeddings or other."""
     for group, pattern in PARAM_GROUPS:
         if re.search(pattern, name):
             return group

@@ -427,6 +427,8 @@ def build_megatron(
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"megatron trains in bf16 or fp32, not {dtype}")
     hf_model = models.from_pretrained(model_dir, dtype=torch.float32, device="cpu")
+    if hasattr(hf_model.model, "visual"):
+        raise ValueError(f"{model_dir}: the megatron backend builds text models only (this one has a vision tower)")
     arch, hf_weights = hf_model.arch, hf_model.state_dict()
     del hf_model
     config = transformer_config(arch, dtype, router, dev.type == "cpu", token_dispatcher)

@@ -39,6 +39,12 @@ def full_logprobs(model, hidden: torch.Tensor, labels: torch.Tensor, temperature
     return logprobs_and_entropy_ref(hidden, weight, labels, temperature, dtype=dtype)
 
 
+def _forward(model, packed):
+    """`model` over one packed row (`engines.batch.PackedBatch`), router logits kept; a vision-language
+    batch's pixels and grids go to the tower."""
+    return model(packed.input_ids, packed.position_ids, packed.cu_seqlens, output_router_logits=True, **packed.media)
+
+
 def _routed(model, replay, td, action: str, dev):
     """Forward of `model` over the packed batch `td` with `replay` armed for `action` (RECORD: returns the
     nested routed_experts [N, j, L, TOPK]; REPLAY: replays td's and returns the model output)."""
@@ -47,7 +53,7 @@ def _routed(model, replay, td, action: str, dev):
 
     packed = pack_micro_batch(td, dev)
     with replay.armed(action, td, packed, None):
-        out = model(packed.input_ids, packed.position_ids, packed.cu_seqlens, output_router_logits=True)
+        out = _forward(model, packed)
         return replay.recorded(packed, None) if action == RECORD else out
 
 
@@ -55,6 +61,7 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
     """The model spec eager in one process (fp64 unless the spec says otherwise)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
+    from verl_moe.engines.batch import pack_micro_batch
     from verl_moe.engines.router_replay import RECORD, REPLAY, RouterReplay
     from verl_moe.ops import device
 
@@ -85,13 +92,11 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
 
     def train_step(k: int, batch: dict[str, torch.Tensor]) -> dict:
         td = to_verl(batch, job.train.temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
-        ids = td["input_ids"]
-        offsets = ids.offsets()
-        tokens = ids.values()  # [T] packed; the model takes [1, T] plus cu_seqlens
-        positions = td["position_ids"].values()
+        offsets = td["input_ids"].offsets()
+        tokens = td["input_ids"].values()  # [T] packed; the model takes [1, T] plus cu_seqlens
         optimizer.zero_grad(set_to_none=True)
         if replay is None:
-            out = model(tokens[None], positions[None], offsets.to(torch.int32), output_router_logits=True)
+            out = _forward(model, pack_micro_batch(td, dev))
         else:
             if own_routes:
                 td["routed_experts"] = own_routes[k]
@@ -130,6 +135,7 @@ def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: f
     `routed_experts` [B, S, L, TOPK] int16 (0 on padding), as verl's agent loop lays out the
     rollout's routes for R3. Keys a batch already holds (a verl dump) are kept."""
     from verl.workers.utils.padding import no_padding_2_padding
+    from verl_moe.engines.batch import pack_micro_batch
     from verl_moe.engines.router_replay import RECORD, RouterReplay
     from verl_moe.ops import device
 
@@ -149,9 +155,8 @@ def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: f
             batch["routed_experts"] = padded
         if "old_log_probs" in batch:
             continue
-        tokens, offsets = td["input_ids"].values(), td["input_ids"].offsets()
-        out = model(tokens[None], td["position_ids"].values()[None], offsets.to(torch.int32))
-        logp, _ = full_logprobs(model, out.last_hidden_state[0], torch.roll(tokens, -1), temperature)
+        out = _forward(model, pack_micro_batch(td, dev))
+        logp, _ = full_logprobs(model, out.last_hidden_state[0], torch.roll(td["input_ids"].values(), -1), temperature)
         padded = no_padding_2_padding(logp, td).cpu() * batch["response_mask"]
         batch["old_log_probs"] = padded.to(torch.float32)
     del model
