@@ -296,14 +296,9 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
 
     input_ids, position_ids (along the token dim), labels, temperature are sliced; cu_seqlens stays
     global (the sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more
-    sequence. Raises ValueError for a micro-batch with images or videos: their features would have to
-    reach the ranks holding their placeholders (not supported yet).
+    sequence. Images and videos stay whole on every rank: the model runs the tower on all of them and
+    keeps the features of this rank's placeholders (`MoeVisionLM`).
     """
-    if packed.media:
-        raise ValueError(
-            f"images / videos ({sorted(packed.media)}) under Ulysses sequence parallelism are not supported "
-            "by verl_moe's engines yet: set the sequence-parallel size to 1 for multimodal data"
-        )
     total = packed.num_tokens
     pad, local = sequence_shard(total, sp)
     ids, pos = packed.input_ids, packed.position_ids

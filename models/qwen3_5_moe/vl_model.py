@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..arch import ArchConfig
@@ -82,12 +83,12 @@ class MoeVisionLM(nn.Module):
     ) -> MoeModelOutput:
         """See the class docstring. Raises ValueError on bad inputs (see `check_inputs`), a grid that
         does not match its pixel patches, or placeholder tokens that do not match the features (both
-        counts named); images under sequence parallelism are not supported yet."""
+        counts named). Under sequence parallelism every rank gets the micro-batch's whole pixels and
+        grids with its share of the tokens, runs the tower on every image and keeps the features of its
+        own placeholders."""
         if position_ids.dim() == 3 and position_ids.shape[0] == 4:
             position_ids = position_ids[1:]
         self.check_inputs(input_ids, position_ids, cu_seqlens)
-        if self.sequence_parallel is not None and (pixel_values is not None or pixel_values_videos is not None):
-            raise ValueError("images or videos under sequence parallelism are not supported yet")
         lm = self.model.language_model
         embeds = lm.embed_tokens(input_ids)
         v = self.vision
@@ -111,13 +112,30 @@ class MoeVisionLM(nn.Module):
             features = self.model.visual(dummy, torch.tensor([[1, m, m]]), what)
             return embeds + 0.0 * features.sum().to(embeds.dtype)
         features = self.model.visual(pixels, grid_thw, what)
-        placeholders = int(mask.sum())
-        if placeholders != features.shape[0]:
+        placeholders, first = int(mask.sum()), 0
+        total = placeholders
+        if self.sequence_parallel is not None:
+            total, first = self._placeholder_share(placeholders, features.device)
+        if total != features.shape[0]:
             raise ValueError(
-                f"{placeholders} {what} placeholder tokens (id {token_id}) but {features.shape[0]} {what} features "
+                f"{total} {what} placeholder tokens (id {token_id}) but {features.shape[0]} {what} features "
                 f"from {what}_grid_thw {grid_thw.tolist()}"
             )
-        return embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
+        embeds = embeds.masked_scatter(mask.unsqueeze(-1), features[first : first + placeholders].to(embeds.dtype))
+        if self.sequence_parallel is not None:  # a share without placeholders still backprops the (sharded) tower
+            embeds = embeds + 0.0 * features.sum().to(embeds.dtype)
+        return embeds
+
+    def _placeholder_share(self, placeholders: int, device: torch.device) -> tuple[int, int]:
+        """Under Ulysses SP the ranks hold contiguous shares of the packed row in rank order
+        (`engines.batch.slice_packed`) and each runs the tower on every image: (the group's placeholder
+        count, the index of this rank's first placeholder among them)."""
+        sp = self.sequence_parallel
+        mine = torch.tensor([placeholders], device=device)
+        counts = [torch.zeros_like(mine) for _ in range(sp.size)]
+        dist.all_gather(counts, mine, group=sp.group)
+        counts = [int(c) for c in counts]
+        return sum(counts), sum(counts[: sp.rank])
 
     def rope_index(
         self,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from dist import spawn
 from engine_setup import (
+    IMAGE,
     build_engine,
     build_veomni_engine,
     grpo_actor_config,
@@ -27,8 +28,10 @@ from engine_setup import (
     write_tiny_vl_model,
 )
 from verl.utils import tensordict_utils as tu
+from verl_moe.ops.testing import assert_rel_rms
 
 GRIDS = [[[1, 4, 4]], [], [[1, 2, 4], [1, 2, 2]], []]
+SP_GRIDS = [[], [[1, 8, 4]], [], [[1, 2, 2]]]  # the 8-token image's placeholders sit across the middle
 BUILDERS = {"fsdp2": build_engine, "veomni": build_veomni_engine}
 
 
@@ -64,6 +67,10 @@ def _train_step(engine, data) -> None:
     tu.assign_non_tensor(data, global_batch_size=len(data), use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
     with engine.train_mode():
         engine.train_batch(data, ppo_loss_fn(grpo_actor_config()))
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor().clone() for n, p in engine.module.named_parameters()}
 
 
 def _visual(engine) -> dict[str, torch.Tensor]:
@@ -216,5 +223,49 @@ def test_ulysses_slicing_of_multimodal_rows(vl_model):
             text, text_pad = slice_packed(replace(packed, position_ids=packed.position_ids[row]), sp)
             assert pad == text_pad and torch.equal(local.position_ids[row], text.position_ids)
     with_image = pack_micro_batch(make_vl_batch([[[1, 2, 2]], []], 4, seed=5, hf=hf), torch.device("cpu"))
-    with pytest.raises(ValueError, match="under Ulysses sequence parallelism are not supported"):
-        slice_packed(with_image, UlyssesGroup(group=None, size=2, rank=0))
+    for rank in range(2):  # the pixels and grids stay whole on every rank (the tower runs on all images)
+        local, _ = slice_packed(with_image, UlyssesGroup(group=None, size=2, rank=rank))
+        assert local.media.keys() == with_image.media.keys()
+        assert all(torch.equal(local.media[k], with_image.media[k]) for k in local.media)
+
+
+def _sp2_with_images_equals_sp1(rank: int, world_size: int, path: str) -> None:
+    """SP=2 (dp=1) against SP=1 (dp=2): infer log-probs (equal, and equal to transformers'), then one
+    train step (loss, grad norm, every updated weight, the tower's included)."""
+    hf = hf_vision_lm(path)
+    data = make_vl_batch(SP_GRIDS, 5, seed=6, hf=hf)
+    # an image's placeholders straddle the two ranks' shares of the packed row
+    ids = data["input_ids"].values()
+    half = (ids.numel() + 1) // 2
+    assert (ids[:half] == IMAGE).any() and (ids[half:] == IMAGE).any()
+    with torch.no_grad():
+        want = hf_vl_log_probs(hf, data)
+    sp1, sp2 = build_engine(path), build_engine(path, ulysses_sequence_parallel_size=2)
+    before = _weights(sp1)
+    for engine in (sp1, sp2):
+        batch = data.clone()
+        tu.assign_non_tensor(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(SP_GRIDS))
+        with engine.eval_mode():
+            got = list(engine.infer_batch(batch)["model_output"]["log_probs"].unbind())
+        assert _max_diff(got, want) <= 1e-5
+    results = []
+    for engine, batch in ((sp1, rank_slice(data, rank, world_size)), (sp2, data.clone())):
+        batch["old_log_probs"] = torch.full(batch["responses"].shape, -4.5)
+        batch["ref_log_prob"] = torch.full(batch["responses"].shape, -4.6)
+        tu.assign_non_tensor(batch, global_batch_size=len(SP_GRIDS), use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+        with engine.train_mode():
+            out = engine.train_batch(batch, ppo_loss_fn(grpo_actor_config()))
+        loss = torch.tensor(sum(out["loss"]))
+        dist.all_reduce(loss, group=engine.get_data_parallel_group())
+        results.append((loss.item() / engine.get_data_parallel_size(), out["metrics"]["grad_norm"]))
+    (loss1, norm1), (loss2, norm2) = results
+    assert abs(loss2 - loss1) <= 1e-5 * abs(loss1) and abs(norm2 - norm1) <= 1e-5 * norm1, results
+    weights1, weights2 = _weights(sp1), _weights(sp2)
+    assert any(not torch.equal(weights1[n], before[n]) for n in weights1 if ".visual." in n)
+    for name, tensor in weights1.items():
+        assert_rel_rms(name, tensor, weights2[name], 1e-5)
+
+
+@pytest.mark.dist
+def test_images_under_ulysses_sp2_equal_sp1(tmp_path):
+    spawn(_sp2_with_images_equals_sp1, 2, write_tiny_vl_model(str(tmp_path / "vl")))
