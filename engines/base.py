@@ -39,7 +39,7 @@ from verl_moe.engines.config import (
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.models import build, from_pretrained
-from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, fully_shard_model
+from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, check_tied_embeddings, fully_shard_model
 from verl_moe.ops import device
 from verl_moe.ops.common import runtime
 
@@ -131,6 +131,7 @@ class MoeEngineBase(BaseEngine):
         module = LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
         self._shard(module)
         module.to_empty(device=self.device)
+        check_tied_embeddings(module.model)  # a tied lm_head still shares the embedding's weight
         full_state = {}
         if self.rank == 0:
             full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", **picks)

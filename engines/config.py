@@ -176,7 +176,9 @@ def arch_config(hf_config) -> ArchConfig:
 
 
 def validate_engine_config(model_config, engine_config, world_size: int) -> None:
-    """Raise ValueError on a configuration our engines cannot run, before any model is built."""
+    """Raise ValueError on a configuration our engines cannot run, before any model is built. Tied word
+    embeddings (hf_config.tie_word_embeddings) run with every layout: full or hybrid FSDP2 shard, expert
+    and Ulysses parallelism (the shared weight is one root-unit parameter, `models/parallelize.py`)."""
     if engine_config.strategy not in SERVED_STRATEGIES:
         raise ValueError(
             f"unknown strategy {engine_config.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}"
@@ -228,8 +230,6 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
         raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
     if model_config.lora_rank > 0:
         raise ValueError("LoRA is not supported by verl_moe's engines (lora_rank > 0)")
-    if arch.tie_word_embeddings and world_size > 1:
-        raise ValueError("tied word embeddings are not supported by verl_moe's engines with more than one rank")
 
 
 def _check_async_activation_offload(model_config, engine_config: VeOmniEngineConfig, arch: ArchConfig) -> None:

@@ -19,7 +19,9 @@ class LogProbModel(nn.Module):
     final norm, lm_head) is unsharded for the head call and its gradients reduce-scatter normally.
 
     forward(packed) -> (log_probs [T] fp32, entropy [T] fp32 or None). The head never builds the
-    [T, VOCAB] logits; temperature scales the logits out of place inside the op. A vision-language
+    [T, VOCAB] logits; temperature scales the logits out of place inside the op. It reads
+    `lm_head.weight`, which with tied word embeddings is the embedding's (one root-unit parameter,
+    `models/parallelize.py`), so its gradient adds to the embedding lookup's. A vision-language
     model (`MoeVisionLM`) also gets the micro-batch's pixels and grids (`packed.media`); a text model
     given media raises ValueError.
     """

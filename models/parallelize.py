@@ -17,7 +17,10 @@ as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
   dummy image with zero contribution on a rank whose micro-batch has none), so every rank issues the
   tower's all-gathers and reduce-scatters and none waits forever;
 - the root unit (embeddings, final norm, lm_head, and whatever wraps the model: the engine's log-prob
-  head) does not cast its inputs, so a per-token temperature stays fp32.
+  head) does not cast its inputs, so a per-token temperature stays fp32. With tied word embeddings
+  lm_head.weight is embed_tokens.weight: one parameter of the root unit, which FSDP2 shards once and
+  points both modules at (unsharded in the root's forward, so both uses' gradients add before the one
+  reduce-scatter); `check_tied_embeddings` refuses a layout that splits the pair over two units.
 
 Sequence parallelism shards no parameter: the model's token mixers take their head slices of the
 unsharded parameters inside each unit (`models/parallel.py`).
@@ -73,6 +76,23 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
 
 
+def input_embedding(model: nn.Module) -> nn.Embedding:
+    """embed_tokens of a MoeCausalLM (`model.embed_tokens`) or a MoeVisionLM (`model.language_model.embed_tokens`)."""
+    inner = model.model
+    return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.language_model.embed_tokens
+
+
+def check_tied_embeddings(model: nn.Module) -> None:
+    """With tie_word_embeddings, `model.lm_head.weight` must still be the embedding's weight: one
+    parameter. FSDP2 keeps a shared parameter shared only inside one unit (a unit holding one of the
+    pair replaces that module's weight alone), and `to_empty` / `.to` keep it because DTensor
+    parameters are swapped in place. Raises ValueError otherwise; a no-op for an untied model."""
+    if model.arch.tie_word_embeddings and model.lm_head.weight is not input_embedding(model).weight:
+        raise ValueError(
+            "tie_word_embeddings: lm_head.weight is no longer embed_tokens.weight (the pair must share one FSDP unit)"
+        )
+
+
 def offload_activations(model: nn.Module, modules: tuple[str, ...] = (), **options) -> ActivationOffload:
     """Attach activation offload to the decoder layers of `model` that `modules` selects (names as in
     transformers: "model.layers.<i>", "model.language_model.layers.<i>"; empty = all), before `fully_shard`.
@@ -97,8 +117,8 @@ def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceM
 def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> ActivationOffload | None:
     """Apply `plan` to `model` (a MoeCausalLM or MoeVisionLM) in place, with `root` (the model or a
     module wrapping it) as the root unit: the vision tower's blocks and the tower, routers, then (under
-    EP) experts, then each decoder layer, then the root. Returns the activation offload (its counters)
-    when the plan asks for it."""
+    EP) experts, then each decoder layer, then the root (with a tied lm_head and embedding in it:
+    `check_tied_embeddings`). Returns the activation offload (its counters) when the plan asks for it."""
     offload = offload_activations(model, plan.activation_offload_modules) if plan.activation_offload else None
     common = dict(
         mesh=plan.mesh,
@@ -136,4 +156,5 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> Acti
         param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False
     )
     fully_shard(root, mp_policy=root_mp, **common)
+    check_tied_embeddings(model)
     return offload
