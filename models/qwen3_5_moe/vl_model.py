@@ -20,7 +20,7 @@ from ..layers import ResolvedOps
 from ..ops_config import OpsConfig
 from ..registry import ModelSpec
 from .rope_index import mrope_position_ids
-from .vision import VisionArch, VisionModel
+from .vision import VisionArch, VisionModel, check_grid
 
 
 class VisionLanguageModel(nn.Module):
@@ -58,10 +58,10 @@ class MoeVisionLM(nn.Module):
         self.tower_every_forward = False
 
     def set_tower_every_forward(self, on: bool) -> None:
-        """When on, every forward runs the vision tower once per modality, on a dummy image of one
-        merge window where the batch has none, adding its features times zero: a sharded tower (its
-        own FSDP units, `models/parallelize.py`) then all-gathers and reduce-scatters the same number
-        of times on every rank, whatever each rank's micro-batch holds."""
+        """When on, every forward runs the vision tower once (images and videos in one pass), on a dummy
+        image of one merge window where the batch has neither, adding its features times zero: a sharded
+        tower (its own FSDP units, `models/parallelize.py`) then all-gathers and reduce-scatters once per
+        forward on every rank, whatever each rank's micro-batch holds."""
         self.tower_every_forward = on
 
     # The text decoder's switches and input checks are MoeCausalLM's (they walk this module tree).
@@ -90,38 +90,51 @@ class MoeVisionLM(nn.Module):
             position_ids = position_ids[1:]
         self.check_inputs(input_ids, position_ids, cu_seqlens)
         lm = self.model.language_model
-        embeds = lm.embed_tokens(input_ids)
         v = self.vision
-        embeds = self._place(embeds, input_ids, pixel_values, image_grid_thw, v.image_token_id, "image")
-        embeds = self._place(embeds, input_ids, pixel_values_videos, video_grid_thw, v.video_token_id, "video")
+        media = (
+            ("image", pixel_values, image_grid_thw, v.image_token_id),
+            ("video", pixel_values_videos, video_grid_thw, v.video_token_id),
+        )
+        embeds = self._place_media(lm.embed_tokens(input_ids), input_ids, media)
         return lm(input_ids, position_ids, cu_seqlens, output_router_logits, inputs_embeds=embeds)
 
-    def _place(self, embeds, input_ids, pixels, grid_thw, token_id: int, what: str) -> torch.Tensor:
-        """embeds [B, T, D] with the tower's features of `pixels` at the `token_id` placeholders."""
-        mask = input_ids == token_id
-        if pixels is None:
-            if grid_thw is not None:
-                raise ValueError(f"{what}_grid_thw was given without {what} pixel values")
-            placeholders = int(mask.sum())
-            if placeholders:
-                raise ValueError(f"{placeholders} {what} placeholder tokens (id {token_id}) but 0 {what} features")
+    def _place_media(self, embeds: torch.Tensor, input_ids: torch.Tensor, media: tuple) -> torch.Tensor:
+        """embeds [B, T, D] with the tower's features at each modality's placeholders. One tower pass
+        over the images and videos together (frames are attended one at a time either way), or, with
+        `tower_every_forward` and no media, over a dummy one-window image times zero: a sharded tower then
+        all-gathers once per forward on every rank."""
+        present = []  # (what, pixels, grid, placeholder mask)
+        for what, pixels, grid_thw, token_id in media:
+            mask = input_ids == token_id
+            if pixels is None:
+                if grid_thw is not None:
+                    raise ValueError(f"{what}_grid_thw was given without {what} pixel values")
+                if mask.any():
+                    n = int(mask.sum())
+                    raise ValueError(f"{n} {what} placeholder tokens (id {token_id}) but 0 {what} features")
+                continue
+            check_grid(pixels, grid_thw, self.vision, what)
+            present.append((what, pixels, grid_thw, token_id, mask))
+        if not present:
             if not self.tower_every_forward:
                 return embeds
             m = self.vision.spatial_merge_size
-            dummy = embeds.new_zeros(m * m, self.vision.patch_dim)
-            features = self.model.visual(dummy, torch.tensor([[1, m, m]]), what)
-            return embeds + 0.0 * features.sum().to(embeds.dtype)
-        features = self.model.visual(pixels, grid_thw, what)
-        placeholders, first = int(mask.sum()), 0
-        total = placeholders
-        if self.sequence_parallel is not None:
-            total, first = self._placeholder_share(placeholders, features.device)
-        if total != features.shape[0]:
-            raise ValueError(
-                f"{total} {what} placeholder tokens (id {token_id}) but {features.shape[0]} {what} features "
-                f"from {what}_grid_thw {grid_thw.tolist()}"
-            )
-        embeds = embeds.masked_scatter(mask.unsqueeze(-1), features[first : first + placeholders].to(embeds.dtype))
+            dummy = self.model.visual(embeds.new_zeros(m * m, self.vision.patch_dim), torch.tensor([[1, m, m]]))
+            return embeds + 0.0 * dummy.sum().to(embeds.dtype)
+        features = self.model.visual(torch.cat([p for _, p, *_ in present]), torch.cat([g for _, _, g, *_ in present]))
+        merge = self.vision.spatial_merge_size**2
+        sizes = [int(grid_thw.prod(-1).sum()) // merge for _, _, grid_thw, *_ in present]
+        for (what, _, grid_thw, token_id, mask), part in zip(present, features.split(sizes)):
+            placeholders, first = int(mask.sum()), 0
+            total = placeholders
+            if self.sequence_parallel is not None:
+                total, first = self._placeholder_share(placeholders, features.device)
+            if total != part.shape[0]:
+                raise ValueError(
+                    f"{total} {what} placeholder tokens (id {token_id}) but {part.shape[0]} {what} features "
+                    f"from {what}_grid_thw {grid_thw.tolist()}"
+                )
+            embeds = embeds.masked_scatter(mask.unsqueeze(-1), part[first : first + placeholders].to(embeds.dtype))
         if self.sequence_parallel is not None:  # a share without placeholders still backprops the (sharded) tower
             embeds = embeds + 0.0 * features.sum().to(embeds.dtype)
         return embeds

@@ -167,6 +167,38 @@ def test_matches_transformers(pair, case):
     assert used_vision == sum(n.startswith("model.visual.") for n, _ in model.named_parameters())
 
 
+def test_one_tower_pass_per_forward(pair):
+    """Images and videos go through the tower in one pass (and the result is the per-modality one);
+    with `tower_every_forward` a text batch runs one dummy pass, else none."""
+    model, _ = pair
+    gen = torch.Generator().manual_seed(3)
+    spec = CASES["image-and-video"]
+    ids, pix_i, pix_v = sample(gen, **spec)
+    ids = ids[None]
+    pixel_values, image_grid = media(pix_i, spec["images"])
+    video_values, video_grid = media(pix_v, spec["videos"])
+    pos, _ = model.rope_index(ids, image_grid, video_grid)
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda m, a, o: calls.append(a[1].tolist()))
+    try:
+        with torch.no_grad():
+            model(ids, pos, None, pixel_values, image_grid, video_values, video_grid)
+            assert calls == [[list(g) for g in spec["images"] + spec["videos"]]]
+            separate = [model.model.visual(pixel_values, image_grid), model.model.visual(video_values, video_grid)]
+            calls.clear()
+            text = ids[:, :4]
+            model(text, pos[..., :4])
+            assert calls == []
+            model.set_tower_every_forward(True)
+            model(text, pos[..., :4])
+            assert len(calls) == 1
+    finally:
+        model.set_tower_every_forward(False)
+        hook.remove()
+    together = model.model.visual(torch.cat([pixel_values, video_values]), torch.cat([image_grid, video_grid]))
+    assert_rel_rms("one pass vs per modality", torch.cat(separate), together, 1e-6)
+
+
 def test_images_change_the_hidden_states(pair):
     """The features reach the decoder: other pixels change the states from the first placeholder on."""
     model, _ = pair
