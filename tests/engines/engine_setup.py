@@ -280,19 +280,22 @@ def hf_vision_lm(path: str):
     return hf
 
 
-def make_vl_batch(grids: list, response_len: int, seed: int, hf=None) -> TensorDict:
+def make_vl_batch(grids: list, response_len: int, seed: int, hf=None, videos: list | None = None) -> TensorDict:
     """A verl rollout batch with images: per sample, `grids[i]` is a list of image grids [t, h, w]
-    (empty: a text sample); the prompt is text, then per image `<start> placeholders <end>`, then text;
+    (empty: a text sample); the prompt is text, then per image `<start> placeholders <end>`, then text,
+    then per video of `videos[i]` (grids [t, h, w]) each frame as `text text <start> placeholders <end>`;
     responses of 1..response_len text tokens. `multi_modal_inputs` per sample as verl's agent loop
-    writes it (pixel_values, image_grid_thw, images_seqlens; {} for a text sample) and verl's 4-row
-    position ids (text row, then transformers' `get_rope_index` of `hf`, on the valid tokens)."""
+    writes it (pixel_values, image_grid_thw, images_seqlens, and the video keys; {} for a text sample)
+    and verl's 4-row position ids (text row, then transformers' `get_rope_index` of `hf`, on the valid
+    tokens)."""
     import numpy as np
 
     gen = torch.Generator().manual_seed(seed)
+    videos = videos or [[] for _ in grids]
     prompts, media = [], []
-    for sample in grids:
+    for sample, clips in zip(grids, videos):
         ids = torch.randint(1, 80, (2,), generator=gen).tolist()
-        pixels = []
+        pixels, video_pixels = [], []
         for t, h, w in sample:
             ids += (
                 [VISION_START]
@@ -301,13 +304,22 @@ def make_vl_batch(grids: list, response_len: int, seed: int, hf=None) -> TensorD
                 + torch.randint(1, 80, (2,), generator=gen).tolist()
             )
             pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=gen))
+        for t, h, w in clips:
+            for _ in range(t):
+                ids += torch.randint(1, 80, (2,), generator=gen).tolist() + [VISION_START] + [VIDEO] * (h * w // 4)
+                ids += [VISION_END]
+            video_pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=gen))
         prompts.append(torch.tensor(ids))
+        entry = {}
         if sample:
             grid = torch.tensor(sample)
-            media.append({"pixel_values": torch.cat(pixels), "image_grid_thw": grid,
+            entry.update({"pixel_values": torch.cat(pixels), "image_grid_thw": grid,
                           "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])})  # fmt: skip
-        else:
-            media.append({})
+        if clips:
+            grid = torch.tensor(clips)
+            entry.update({"pixel_values_videos": torch.cat(video_pixels), "video_grid_thw": grid,
+                          "videos_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])})  # fmt: skip
+        media.append(entry)
     n, p = len(grids), max(x.numel() for x in prompts)
     prompt_rows = torch.zeros(n, p, dtype=torch.long)
     for i, x in enumerate(prompts):
@@ -319,9 +331,8 @@ def make_vl_batch(grids: list, response_len: int, seed: int, hf=None) -> TensorD
     for i in range(n):
         valid = batch["attention_mask"][i].bool()
         ids = batch["input_ids"][i, valid][None]
-        grid = media[i].get("image_grid_thw")
-        types = (ids == IMAGE).long()
-        rope, _ = hf.model.get_rope_index(ids, types, grid, None)
+        types = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
+        rope, _ = hf.model.get_rope_index(ids, types, media[i].get("image_grid_thw"), media[i].get("video_grid_thw"))
         position_ids[i, 0, valid] = torch.arange(int(valid.sum()))
         position_ids[i, 1:, valid] = rope[:, 0]
     batch["position_ids"] = position_ids
@@ -348,7 +359,9 @@ def hf_vl_log_probs(hf, data: TensorDict) -> torch.Tensor:
             input_ids=ids,
             pixel_values=media.get("pixel_values"),
             image_grid_thw=media.get("image_grid_thw"),
-            mm_token_type_ids=(ids == IMAGE).long(),
+            pixel_values_videos=media.get("pixel_values_videos"),
+            video_grid_thw=media.get("video_grid_thw"),
+            mm_token_type_ids=(ids == IMAGE).long() + 2 * (ids == VIDEO).long(),
             use_cache=False,
         ).logits[0]
         labels = torch.cat([ids[0, 1:], ids[0, :1]])

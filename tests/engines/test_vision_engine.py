@@ -94,6 +94,36 @@ def test_image_batch_matches_transformers_and_trains(vl_model, world_of_one, bac
     assert all(not torch.equal(tower[n], t) for n, t in _visual(engine).items()), "tower weights did not change"
 
 
+def test_video_batch_and_the_vl_checkpoint_export(vl_model, world_of_one, tmp_path):
+    """Videos (and an image beside one) through packing and the tower: log-probs equal transformers';
+    after a step the `hf_model` export is a VL checkpoint that transformers loads with every tensor equal
+    to the engine's (tower included) and the same log-probs as the engine."""
+    from verl.trainer.config import CheckpointConfig
+
+    path, hf = vl_model
+    grids, clips = [[[1, 2, 2]], [], []], [[[2, 4, 4]], [[2, 2, 2]], []]
+    data = make_vl_batch(grids, 5, seed=7, hf=hf, videos=clips)
+    assert sum("pixel_values_videos" in getattr(m, "data", m) for m in data["multi_modal_inputs"]) == 2
+    with torch.no_grad():
+        want = hf_vl_log_probs(hf, data)
+    contents = CheckpointConfig(save_contents=["model", "hf_model"], load_contents=["model"])
+    engine = build_engine(path, checkpoint_config=contents)
+    assert _max_diff(_infer(engine, data.clone()), want) <= 1e-5
+    _train_step(engine, make_vl_batch(grids, 5, seed=7, hf=hf, videos=clips))
+    engine.save_checkpoint(str(tmp_path / "step1"), global_step=1)
+    import transformers
+
+    exported = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        str(tmp_path / "step1" / "huggingface"), attn_implementation="eager", dtype=torch.float32
+    ).eval()  # transformers' own loader, not ours
+    weights = {n: t.clone() for n, t in engine.get_per_tensor_param(layout="hf")[0]}
+    assert any(n.startswith("model.visual.") for n in weights)
+    state = exported.state_dict()
+    assert sorted(state) == sorted(weights) and all(torch.equal(state[n], t) for n, t in weights.items())
+    with torch.no_grad():
+        assert _max_diff(_infer(engine, data.clone()), hf_vl_log_probs(exported, data)) <= 1e-5
+
+
 def test_freeze_vision_tower(vl_model, world_of_one):
     path, hf = vl_model
     engine = build_engine(path, freeze_vision_tower=True)
