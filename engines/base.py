@@ -32,13 +32,15 @@ from verl_moe.engines import batch, export, router_replay
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines.config import (
     engine_layout,
+    lora_merge,
+    lora_settings,
     ops_config,
     precision_dtypes,
     validate_engine_config,
     vision_switch,
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
-from verl_moe.models import build, from_pretrained
+from verl_moe.models import build, from_pretrained, lora
 from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, check_tied_embeddings, fully_shard_model
 from verl_moe.ops import device
 from verl_moe.ops.common import runtime
@@ -79,6 +81,7 @@ class MoeEngineBase(BaseEngine):
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
         self.layout = engine_layout(engine_config, model_config)
+        self.lora = lora_settings(model_config)  # None: no LoRA
         self.mode = None
         self.rank = dist.get_rank()
         self.device = device.current_device()
@@ -126,6 +129,8 @@ class MoeEngineBase(BaseEngine):
         model = build(self.model_config.hf_config, dtype=self.master_dtype, device="meta", **picks)
         if vision_switch(self.engine_config, "freeze_vision_tower") and hasattr(model.model, "visual"):
             model.model.visual.requires_grad_(False)  # before sharding: FSDP keeps the flag per shard
+        if self.lora is not None:  # adapters added and the base frozen before sharding, as the tower above
+            lora.apply_lora(model, self.lora)
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
         module = LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
@@ -135,6 +140,11 @@ class MoeEngineBase(BaseEngine):
         full_state = {}
         if self.rank == 0:
             full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", **picks)
+            if self.lora is not None:
+                # rank 0 draws the A factors (broadcast with the weights) from the engine seed: any layout
+                # of the same config starts from the same adapters
+                seeded = torch.Generator().manual_seed(self.engine_config.seed)
+                lora.apply_lora(full_state, self.lora, generator=seeded)
             full_state = full_state.state_dict()
         set_model_state_dict(
             module.model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -293,22 +303,49 @@ class MoeEngineBase(BaseEngine):
 
     # ---- weights out (engines/export.py) -----------------------------------------------------
 
-    def get_per_tensor_param(self, layout: str = "vllm", **kwargs) -> tuple[Generator, None]:
-        """(generator of (name, full tensor), None). Every rank must consume it (each tensor is
-        all-gathered). layout "vllm": experts split per expert in vLLM's names (what verl's rollout
-        loads); "hf": transformers names with fused experts. A tied lm_head is left out."""
+    def get_per_tensor_param(
+        self, layout: str = "vllm", base_sync_done: bool = False, **kwargs
+    ) -> tuple[Generator, dict | None]:
+        """(generator of (name, full tensor), peft config or None). Every rank must consume it (each tensor
+        is all-gathered). layout "vllm": experts split per expert in vLLM's names (what verl's rollout
+        loads); "hf": transformers names with fused experts. A tied lm_head is left out.
+
+        With LoRA, as verl's FSDP engine: `model_config.lora.merge` -> base + scale * B A under the base
+        names, None; else the adapters under peft's names (`base_sync_done`, what verl's rollout sync
+        asks for once the base is loaded) or the base weights alone, with the peft config (a dict).
+        `layered_summon` is accepted and ignored (tensors are gathered one at a time anyway)."""
         if layout not in export.LAYOUTS:
             raise ValueError(f"layout must be 'vllm' or 'hf', got {layout!r}")
+        model = self.module.model
+        merge = self.lora is not None and lora_merge(self.model_config)
+        adapters_only = self.lora is not None and not merge and base_sync_done
 
         def full_tensors():
             with self._params_on_device():
-                yield from export.per_tensor_params(self.module.model, layout)
+                if adapters_only:
+                    yield from export.adapter_named_tensors(model)
+                else:
+                    yield from export.per_tensor_params(model, layout, merge_lora=merge)
 
-        return full_tensors(), None
+        peft_config = None
+        if self.lora is not None and not merge:
+            peft_config = lora.peft_config_dict(self.lora, model)
+        return full_tensors(), peft_config
+
+    def disable_adapter(self):
+        """verl's context for the base model's forward under LoRA (reference log-probs of a LoRA actor,
+        `no_lora_adapter`); a plain context without LoRA."""
+        return lora.adapters_disabled(self.module.model)
 
     def get_per_tensor_param_shard(self, **kwargs) -> tuple[Generator, None]:
         """(generator of (transformers name, this rank's local shard flat in bf16, verl `ShardSpec`), None)
-        for verl's sharded delta checkpoint engine (`export.local_shards`)."""
+        for verl's sharded delta checkpoint engine (`export.local_shards`). Raises ValueError under LoRA
+        (the shards are the base weights: use a full-tensor checkpoint engine)."""
+        if self.lora is not None:
+            raise ValueError(
+                "the sharded delta weight sync (checkpoint_engine delta_sharded) is not supported with LoRA "
+                "(lora_rank > 0); use a full-tensor checkpoint engine (naive, nccl)"
+            )
 
         def shards():
             with self._params_on_device():

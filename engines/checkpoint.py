@@ -213,11 +213,13 @@ def _extra_bytes(extra: dict) -> bytes:
 
 
 def _export_hf(model: nn.Module, path: str) -> None:
-    """Gather full tensors; rank 0 loads them into an unsharded copy of the spec and writes HF files."""
-    from verl_moe.models import build, save_pretrained
+    """Gather full tensors; rank 0 loads them into an unsharded copy of the spec and writes HF files
+    (LoRA adapters merged into their base weights: an HF model, as verl's merged export)."""
+    from verl_moe.models import build, lora, save_pretrained
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
+        full = lora.merged_state_dict(model, full)
         dtype = next(iter(full.values())).dtype
         copy = build(model.config, dtype=dtype, device="meta")
         copy.to_empty(device="cpu")

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.config import FSDPEngineConfig, VeOmniEngineConfig
-from verl_moe.models import ArchConfig, OpsConfig, get_spec
+from verl_moe.models import ArchConfig, OpsConfig, build, get_spec
 from verl_moe.models.activation_offload import select_layers
+from verl_moe.models.lora import ALL_LINEAR, LoraSettings, resolve_targets
 
 SERVED_STRATEGIES = ("fsdp", "fsdp2", "veomni")
 
@@ -46,7 +47,8 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
             (for text-only data; the default runs the tower in every forward).
     Read from verl's model config: enable_gradient_checkpointing (per decoder layer and ViT block) and
     enable_activation_offload (each decoder layer's saved tensors, its inputs under checkpointing, wait
-    for backward in host memory: `models/activation_offload.py`).
+    for backward in host memory: `models/activation_offload.py`), and LoRA (both engines: `lora_settings`,
+    `lora_merge`, `models/lora.py`).
     """
 
     strategy: str = "fsdp2"
@@ -79,6 +81,7 @@ class MoeVeOmniEngineConfig(VeOmniEngineConfig):
             caching host allocator, which reuses them across steps without a separate bound.
         ops: implementation per op and the router dtype (`verl_moe.models.OpsConfig`).
         freeze_vision_tower, text_only: as in MoeFsdp2EngineConfig.
+    LoRA comes from verl's model config as for MoeFsdp2EngineConfig (the expert factors split over EP).
     """
 
     strategy: str = "veomni"
@@ -228,8 +231,42 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
             raise ValueError("QAT is not supported by MoeVeOmniEngine (qat_implementation)")
     elif engine_config.qat.enable:
         raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
-    if model_config.lora_rank > 0:
-        raise ValueError("LoRA is not supported by verl_moe's engines (lora_rank > 0)")
+    settings = lora_settings(model_config)
+    if settings is not None:  # a target naming no module fails here, before any build
+        resolve_targets(build(model_config.hf_config, device="meta"), settings)
+
+
+def lora_settings(model_config) -> LoraSettings | None:
+    """verl's LoRA keys of `model_config` (HFModelConfig: lora_rank, lora_alpha, target_modules as a list or
+    "all-linear", target_parameters, exclude_modules as a regex or a list) as `models.lora.LoraSettings`;
+    None when lora_rank is 0. Raises ValueError for lora_rank < 0 and for lora_adapter_path (loading a
+    trained adapter is not supported)."""
+    rank = model_config.lora_rank
+    if rank < 0:
+        raise ValueError(f"lora_rank={rank} must be >= 0 (0: no LoRA)")
+    if rank == 0:
+        return None
+    if model_config.lora_adapter_path is not None:
+        raise ValueError("lora_adapter_path is not supported by verl_moe's engines (LoRA starts from B = 0)")
+    targets = model_config.target_modules
+    targets = (
+        ALL_LINEAR if targets in (None, ALL_LINEAR) else (targets,) if isinstance(targets, str) else tuple(targets)
+    )
+    exclude = model_config.exclude_modules
+    exclude = exclude if exclude is None or isinstance(exclude, str) else tuple(exclude)
+    return LoraSettings(
+        rank=rank,
+        alpha=model_config.lora_alpha,
+        target_modules=targets,
+        target_parameters=tuple(model_config.target_parameters or ()),
+        exclude_modules=exclude,
+    )
+
+
+def lora_merge(model_config) -> bool:
+    """verl's `model_config.lora.merge`: the rollout gets base + scale * B A under the base names (True) or
+    the adapters under peft's names with a peft config (False, verl's default)."""
+    return bool((model_config.lora or {}).get("merge", False))
 
 
 def _check_async_activation_offload(model_config, engine_config: VeOmniEngineConfig, arch: ArchConfig) -> None:

@@ -4,7 +4,9 @@ delta sync) and the delta since the last export, in vLLM's names and coordinates
 
 Every function takes the spec (`MoeCausalLM`, FSDP-sharded or not); the engine keeps the parameters
 on its compute device while a generator runs (`MoeEngineBase._params_on_device`). A tied lm_head is
-left out everywhere, as transformers does on save.
+left out everywhere, as transformers does on save. LoRA adapters (`models/lora.py`) are never among
+the base names: `merge_lora` exports base + scale * B A under them, `adapter_named_tensors` the
+adapters under peft's names (verl's FSDP engine's two forms).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from verl_moe.models import lora
 from verl_moe.models.weights import to_vllm_named_tensors, vllm_slot_positions, vllm_slots
 
 LAYOUTS = ("vllm", "hf")
@@ -21,26 +24,47 @@ LAYOUTS = ("vllm", "hf")
 
 def exported_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor as held: DTensor or plain) per state-dict entry that leaves the trainer; a tied
-    lm_head is left out, as transformers does on save."""
+    lm_head is left out, as transformers does on save, and so are LoRA adapters (base names only)."""
     tied = model.arch.tie_word_embeddings
     for name, tensor in model.state_dict().items():
-        if not (tied and name == "lm_head.weight"):
+        if not (tied and name == "lm_head.weight") and not lora.is_adapter_key(name):
             yield name, tensor
 
 
-def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per `exported_state` entry, all-gathered one at a time (every rank must iterate)."""
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_named_tensors(model: nn.Module, merge_lora: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per `exported_state` entry, all-gathered one at a time (every rank must iterate).
+    merge_lora: a LoRA-adapted weight comes out as base + scale * B A (its factors gathered with it)."""
+    adapted = lora.adapted_weights(model) if merge_lora else {}
+    state = model.state_dict() if adapted else {}
     for name, tensor in exported_state(model):
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _full(tensor)
+        if name in adapted:
+            a, b, scale = adapted[name]
+            full = lora.merge_weight(full, _full(state[a]), _full(state[b]), scale)
+        yield name, full
 
 
-def per_tensor_params(model: nn.Module, layout: str = "vllm") -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(peft name, full tensor) per LoRA adapter entry (`lora.peft_name`), all-gathered one at a time."""
+    for name, tensor in model.state_dict().items():
+        if lora.is_adapter_key(name):
+            yield lora.peft_name(name), _full(tensor)
+
+
+def per_tensor_params(
+    model: nn.Module, layout: str = "vllm", merge_lora: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per exported entry; every rank must consume it (each tensor is all-gathered).
     layout "vllm": experts split per expert in vLLM's names; "hf": transformers names, fused experts.
+    merge_lora: LoRA-adapted weights merged (`full_named_tensors`); else the base weights alone.
     Raises ValueError for another layout (before anything is gathered)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'vllm' or 'hf', got {layout!r}")
-    named = full_named_tensors(model)
+    named = full_named_tensors(model, merge_lora)
     return to_vllm_named_tensors(named) if layout == "vllm" else named
 
 

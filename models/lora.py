@@ -292,23 +292,24 @@ def adapters_disabled(model: nn.Module):
             m.adapter_enabled = True
 
 
-def peft_config_dict(settings: LoraSettings, adapted: list[str]) -> dict:
-    """The peft LoraConfig (as `to_dict()`) verl's FSDP engine passes with unmerged adapters: the adapted
-    nn.Linear leaf names as target_modules, the routed-expert weights as target_parameters."""
+def peft_config_dict(settings: LoraSettings, model: nn.Module) -> dict:
+    """The peft LoraConfig (as `to_dict()`) verl's FSDP engine passes with unmerged adapters, for the
+    adapters of `model`: the adapted nn.Linear leaf names as target_modules, the routed-expert weights
+    (`mlp.experts.gate_up_proj`, ...) as target_parameters."""
     from peft import LoraConfig, TaskType
 
-    linear_leaves = sorted({n.rsplit(".", 1)[-1] for n in adapted if not _is_expert(n)})
-    expert = sorted({".".join(n.split(".")[-3:]) for n in adapted if _is_expert(n)})
+    linear, expert = set(), set()
+    for name, module in lora_modules(model):
+        if isinstance(module, LoraLinear):
+            linear.add(name.rsplit(".", 1)[-1])
+        else:
+            expert.update(".".join([*name.split(".")[-2:], w]) for w in module.targets)
     config = LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=settings.rank,
         lora_alpha=settings.alpha,
-        target_modules=linear_leaves or None,
-        target_parameters=expert or None,
+        target_modules=sorted(linear) or None,
+        target_parameters=sorted(expert) or None,
         bias="none",
     )
     return config.to_dict()
-
-
-def _is_expert(name: str) -> bool:
-    return name.rsplit(".", 2)[-2] == "experts" and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS

@@ -111,7 +111,8 @@ def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceM
         local_experts = param.shape[0] // group.size
         local = param.detach()[group.rank * local_experts : (group.rank + 1) * local_experts]
         dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-        setattr(experts, name, nn.Parameter(dtensor))
+        # a frozen weight stays frozen (LoRA's base experts): a new Parameter would require grad
+        setattr(experts, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
 def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> ActivationOffload | None:

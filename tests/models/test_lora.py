@@ -114,9 +114,9 @@ def test_peft_names_and_config():
     names = sorted(lora.peft_name(n) for n in model.state_dict() if lora.is_adapter_key(n))
     assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight" in names
     assert "base_model.model.model.layers.0.mlp.experts.gate_up_proj.lora_B.weight" in names
-    adapted = lora.resolve_targets(model, lora.LoraSettings(rank=4, alpha=8, target_modules=("q_proj",)))
-    config = lora.peft_config_dict(lora.LoraSettings(rank=4, alpha=8), [*adapted[0], *adapted[1]])
+    config = lora.peft_config_dict(lora.LoraSettings(rank=4, alpha=8), model)
     assert config["r"] == 4 and config["lora_alpha"] == 8 and set(config["target_modules"]) == {"q_proj"}
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj"]
 
 
 def test_all_linear_takes_every_decoder_linear_not_the_routed_experts():
