@@ -33,17 +33,24 @@ def tiny_config() -> Qwen3_5MoeTextConfig:
     )  # fmt: skip
 
 
-def write_tiny_model(path: str, seed: int = 0) -> str:
-    """An HF folder holding a randomly initialised tiny Qwen3.5-MoE (norms randomised too)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+def tiny_model(config=None, seed: int = 0) -> vm.MoeCausalLM:
+    """A randomly initialised tiny model of `config` (default `tiny_config()`, Qwen3.5-MoE) with its norm
+    weights randomised too (around 0 for (1 + w) norms, around 1 for plain ones)."""
     torch.manual_seed(seed)
-    model = vm.build(tiny_config())
+    model = vm.build(config or tiny_config())
+    mean = 0.0 if model.arch.norm_unit_offset else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.2)
-    vm.save_pretrained(model, path)
+                p.normal_(mean, 0.2)
+    return model
+
+
+def write_tiny_model(path: str, seed: int = 0, config=None) -> str:
+    """An HF folder holding `tiny_model(config, seed)`."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    vm.save_pretrained(tiny_model(config, seed), path)
     return path
 
 

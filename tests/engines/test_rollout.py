@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import verl_moe.models as vm
-from engine_setup import tiny_config
+from engine_setup import tiny_config, tiny_model
 from verl.workers.config import RolloutConfig
 from verl_moe.engines.rollout.adapter import MoeRolloutAdapter
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
@@ -28,12 +28,8 @@ PROMPTS = [(5, 9, 3, 7, 1), (11,), (2, 4, 6, 8, 10, 12, 14)]
 
 def _model(seed: int = 0) -> vm.MoeCausalLM:
     """Tiny Qwen3.5-MoE with random norms and a sharpened lm_head (peaked next-token distributions)."""
-    torch.manual_seed(seed)
-    model = vm.build(tiny_config())
+    model = tiny_model(seed=seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.2)
         model.lm_head.weight.mul_(40.0)
     return model.eval()
 

@@ -37,6 +37,7 @@ from engine_setup import (
     reference_log_probs,
     reference_train_step,
     with_ppo_fields,
+    write_tiny_model,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -229,12 +230,5 @@ def _tied_two_ranks(rank: int, world_size: int, path: str, folder: str) -> None:
 
 
 def test_tied_embeddings_two_ranks(tmp_path):
-    path = str(tmp_path / "model")
-    torch.manual_seed(0)
-    model = vm.build(tied_config())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.2)
-    vm.save_pretrained(model, path)
+    path = write_tiny_model(str(tmp_path / "model"), config=tied_config())
     spawn(_tied_two_ranks, 2, path, str(tmp_path / "ckpt"))
