@@ -13,12 +13,14 @@ Tolerances: 2 ranks vs 1, fp32 (summation order only): losses and grad norms rel
 
 from __future__ import annotations
 
+import os
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+import verl_moe.models as vm
 from engine_setup import (
     _new_engine,
     build_engine,
@@ -70,9 +72,8 @@ def _named(engine, **kwargs) -> tuple[dict, dict | None]:
 
 
 def fsdp2_lora(rank: int, world_size: int, path: str, ckpt: str) -> dict:
-    config = CheckpointConfig(
-        save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"]
-    )
+    contents = ["model", "optimizer", "extra"]
+    config = CheckpointConfig(save_contents=[*contents, "hf_model"], load_contents=contents)
     engine = build_engine(path, model=_lora_model(merge=True), checkpoint_config=config, micro_batch_size_per_gpu=4)
     model = engine.module.model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -85,6 +86,7 @@ def fsdp2_lora(rank: int, world_size: int, path: str, ckpt: str) -> dict:
     losses, norms = _steps(engine, rank, world_size, (3, 4))
     trained = {n: t.tolist() for n, t in export.adapter_named_tensors(model)}  # after the two compared steps
     if world_size == 1:  # one more step after a checkpoint, for the resume check
+        merged_at_save = _named(engine)[0]
         engine.save_checkpoint(ckpt, global_step=2)
         resumed = _steps(engine, rank, world_size, (5,))
 
@@ -104,6 +106,9 @@ def fsdp2_lora(rank: int, world_size: int, path: str, ckpt: str) -> dict:
         assert _log_probs(engine, rank, world_size) == log_probs0
     assert _log_probs(engine, rank, world_size) != log_probs0
     if world_size == 1:
+        # the checkpoint's HF export is the merged model (as of the save: two steps)
+        hf = vm.from_pretrained(os.path.join(ckpt, "huggingface")).state_dict()
+        assert hf.keys() == set(merged) and all(torch.equal(hf[k], merged_at_save[k]) for k in hf)
         check_unmerged_resume(path, config, ckpt, base, adapters, resumed)
     return {"losses": losses, "norms": norms, "adapters": trained}
 
