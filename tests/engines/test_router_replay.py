@@ -355,14 +355,13 @@ def test_align_router_replay_pins_the_theta0_routes(tmp_path):
     fp64 θ0 routed_experts (laid out as verl's agent loop does), R2 exactly as its own θ0 forward (the
     same model: the same routes), and at step 0 both are bitwise the free golden."""
     from verl_moe.tools import align
-    from verl_moe.tools.align.trace import BackendTrace, StepTrace
+    from verl_moe.tools.align.trace import load_trace
 
     backends = ("reference", "reference:replay=R2", "reference:replay=R3")
     report = align.run(align.AlignConfig(backends=backends, steps=2, out=str(tmp_path), progress=False))
     traces = {}
     for label in backends:
-        with torch.serialization.safe_globals([BackendTrace, StepTrace]):
-            traces[label] = torch.load(tmp_path / "traces" / f"{label.replace(':', '_').replace('=', '-')}.pt")
+        traces[label] = load_trace(tmp_path / "traces" / f"{label.replace(':', '_').replace('=', '-')}.pt")
     stream = torch.load(tmp_path / "stream.pt", weights_only=True)
     for k, rollout in enumerate(stream):
         routes = rollout["routed_experts"][rollout["attention_mask"].bool()].long().sort(dim=-1).values  # [T, L, K]

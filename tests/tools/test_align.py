@@ -316,20 +316,23 @@ def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path, capsys):
 
 def test_traces_load_with_weights_only_from_concurrent_threads(tmp_path):
     """--jobs loads the workers' traces from several threads at once; each must load with
-    weights_only=True (a per-call `safe_globals` context lost the allowlist to another thread's exit)."""
+    weights_only=True, also after a `safe_globals` context elsewhere exited (it removes its classes from
+    the allowlist, whoever had added them)."""
     import threading
 
-    from verl_moe.tools.align import launch  # noqa: F401 (allows the trace classes)
+    from verl_moe.tools.align.trace import load_trace
 
     step = StepTrace(torch.zeros(3), torch.zeros(3), 0.5, 1.0, {}, {}, [torch.zeros(3, 2, dtype=torch.long)])
     path = tmp_path / "trace.pt"
     torch.save(BackendTrace("a", {"dtype": "fp64"}, steps=[step]), path)
+    with torch.serialization.safe_globals([BackendTrace, StepTrace]):
+        pass
     failures = []
 
     def load_many():
         for _ in range(40):
             try:
-                assert torch.load(path, weights_only=True).steps[0].loss == 0.5
+                assert load_trace(path).steps[0].loss == 0.5
             except Exception as e:  # noqa: BLE001 (collected, asserted below)
                 failures.append(repr(e)[:120])
 

@@ -16,12 +16,7 @@ import torch
 
 from .backends import parse_backend
 from .job import Job, release_device_memory
-from .trace import BackendTrace, StepTrace
-
-# A worker's trace loads with weights_only: its two dataclasses are allowed process-wide. (The
-# `safe_globals` context manager is not safe here: with --jobs, threads loading at the same time
-# restored each other's allowlist on exit and loads failed.)
-torch.serialization.add_safe_globals([BackendTrace, StepTrace])
+from .trace import BackendTrace, load_trace
 
 STEP_MARK = "ALIGN_STEP "  # a worker prints it with the steps done; the parent's progress bar reads it
 
@@ -66,7 +61,7 @@ def _launch(job: Job, log_dir: Path, progress: Callable[[int], None] | None) -> 
         errors = [ln for ln in log_path.read_text().splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
         cause = errors[0] if errors else "see the log"
         raise RuntimeError(f"{spec.label}: worker exited with {code}: {cause} (log {log_path})")
-    return torch.load(job.trace_path, weights_only=True)
+    return load_trace(job.trace_path)
 
 
 def worker_main(job_path: str) -> None:

@@ -94,6 +94,14 @@ class BackendTrace:
     wall_s: float = float("nan")
 
 
+def load_trace(path) -> BackendTrace:
+    """A worker's saved trace, loaded without running code: weights_only, with the trace's two
+    dataclasses allowed. The allowlist is added at every call: torch's `safe_globals` context removes its
+    classes on exit, whoever had added them (a per-call context also raced across `--jobs` threads)."""
+    torch.serialization.add_safe_globals([BackendTrace, StepTrace])
+    return torch.load(path, weights_only=True)
+
+
 def record_steps(
     label: str,
     settings: dict,
