@@ -19,6 +19,7 @@ from verl.workers.config import FSDPEngineConfig, VeOmniEngineConfig
 from verl_moe.models import ArchConfig, OpsConfig, build, get_spec
 from verl_moe.models.activation_offload import select_layers
 from verl_moe.models.lora import ALL_LINEAR, LoraSettings, resolve_targets
+from verl_moe.models.parallelize import decoder_layer_names
 
 SERVED_STRATEGIES = ("fsdp", "fsdp2", "veomni")
 
@@ -226,14 +227,23 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
     if engine_config.pad_to_length:
         raise ValueError("pad_to_length is not supported by verl_moe's engines")
     if veomni:
-        _check_async_activation_offload(model_config, engine_config, arch)
+        _check_async_activation_offload(model_config, engine_config)
         if engine_config.qat_implementation != "none":
             raise ValueError("QAT is not supported by MoeVeOmniEngine (qat_implementation)")
     elif engine_config.qat.enable:
         raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
     settings = lora_settings(model_config)
-    if settings is not None:  # a target naming no module fails here, before any build
-        resolve_targets(build(model_config.hf_config, device="meta"), settings)
+    offload_patterns = ()
+    if veomni and engine_config.enable_async_activation_offload:
+        offload_patterns = tuple(engine_config.activation_offload_modules)
+    if settings is not None or offload_patterns:
+        # LoRA targets and offload patterns must name modules of what the engine builds: that model on meta
+        text_only = vision_switch(engine_config, "text_only")
+        meta = build(model_config.hf_config, device="meta", text_only=text_only)
+        if settings is not None:
+            resolve_targets(meta, settings)
+        if offload_patterns:
+            select_layers(decoder_layer_names(meta), offload_patterns)
 
 
 def lora_settings(model_config) -> LoraSettings | None:
@@ -269,8 +279,9 @@ def lora_merge(model_config) -> bool:
     return bool((model_config.lora or {}).get("merge", False))
 
 
-def _check_async_activation_offload(model_config, engine_config: VeOmniEngineConfig, arch: ArchConfig) -> None:
-    """VeOmni's activation-offload options that MoeVeOmniEngine cannot honour raise ValueError."""
+def _check_async_activation_offload(model_config, engine_config: VeOmniEngineConfig) -> None:
+    """VeOmni's activation-offload options that MoeVeOmniEngine cannot honour raise ValueError (its layer
+    patterns are checked against the model in `validate_engine_config`)."""
     if model_config.enable_activation_offload:
         raise ValueError(
             "model.enable_activation_offload is not supported by MoeVeOmniEngine (verl's VeOmniEngineConfig "
@@ -282,11 +293,6 @@ def _check_async_activation_offload(model_config, engine_config: VeOmniEngineCon
             f"supported by MoeVeOmniEngine: pinned buffers come from torch's caching host allocator (reused "
             f"across steps, no separate bound); leave it at {DEFAULT_HOST_CACHE_LIMIT_GB}"
         )
-    if engine_config.enable_async_activation_offload and engine_config.activation_offload_modules:
-        # the model's layer names are known at build (a text model or a vision-language one): either form here
-        layers = range(arch.num_hidden_layers)
-        names = [f"model.layers.{i}" for i in layers] + [f"model.language_model.layers.{i}" for i in layers]
-        select_layers(names, list(engine_config.activation_offload_modules))
 
 
 def validate_actor_config(actor, n_gpus: int) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .layers import Experts
+from .parallelize import decoder_layers
 
 ALL_LINEAR = "all-linear"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -140,17 +141,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = model.model
-    return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
-
-
 def lora_candidates(model: nn.Module) -> tuple[list[str], list[str]]:
     """(nn.Linear module names, routed-expert weight names) of the decoder layers of `model` (a
     MoeCausalLM or MoeVisionLM), in module order: what LoRA may adapt."""
     names = {id(m): n for n, m in model.named_modules()}
     linears, experts = [], []
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         for sub in layer.modules():
             if isinstance(sub, nn.Linear):
                 linears.append(names[id(sub)])

@@ -93,13 +93,18 @@ def check_tied_embeddings(model: nn.Module) -> None:
         )
 
 
-def offload_activations(model: nn.Module, modules: tuple[str, ...] = (), **options) -> ActivationOffload:
-    """Attach activation offload to the decoder layers of `model` that `modules` selects (names as in
-    transformers: "model.layers.<i>", "model.language_model.layers.<i>"; empty = all), before `fully_shard`.
-    `options` go to `ActivationOffload` (prefetch_layers, min_bytes)."""
-    layers = decoder_layers(model)
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """The module names of `decoder_layers(model)` in order, as transformers names them:
+    "model.layers.<i>" (MoeCausalLM) or "model.language_model.layers.<i>" (MoeVisionLM)."""
     names = {id(m): name for name, m in model.named_modules()}
-    return ActivationOffload(layers, select_layers([names[id(m)] for m in layers], modules), **options)
+    return [names[id(m)] for m in decoder_layers(model)]
+
+
+def offload_activations(model: nn.Module, modules: tuple[str, ...] = (), **options) -> ActivationOffload:
+    """Attach activation offload to the decoder layers of `model` that `modules` selects (patterns over
+    `decoder_layer_names`; empty = all), before `fully_shard`. `options` go to `ActivationOffload`
+    (prefetch_layers, min_bytes)."""
+    return ActivationOffload(decoder_layers(model), select_layers(decoder_layer_names(model), modules), **options)
 
 
 def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceMesh) -> None:
