@@ -46,15 +46,16 @@ def _forward(model, packed):
 
 
 def _routed(model, replay, td, action: str, dev):
-    """Forward of `model` over the packed batch `td` with `replay` armed for `action` (RECORD: returns the
-    nested routed_experts [N, j, L, TOPK]; REPLAY: replays td's and returns the model output)."""
+    """(model output, routes) of `model` over the packed batch `td` with `replay` armed for `action`:
+    RECORD also returns the nested routed_experts [N, j, L, TOPK] of this forward; REPLAY replays td's
+    (routes None)."""
     from verl_moe.engines.batch import pack_micro_batch
     from verl_moe.engines.router_replay import RECORD
 
     packed = pack_micro_batch(td, dev)
     with replay.armed(action, td, packed, None):
         out = _forward(model, packed)
-        return replay.recorded(packed, None) if action == RECORD else out
+        return out, replay.recorded(packed, None) if action == RECORD else None
 
 
 def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] | None = None) -> BackendTrace:
@@ -86,7 +87,7 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
         with torch.no_grad():
             for batch in stream:
                 td = to_verl(batch, job.train.temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
-                own_routes.append(_routed(model, replay, td, RECORD, dev))
+                own_routes.append(_routed(model, replay, td, RECORD, dev)[1])
     # under replay the routers' output ids are the replayed ones (their logits' top-k are the free choice)
     recorder = None if replay is None else RouterRecorder(model)
 
@@ -100,7 +101,7 @@ def run_reference(job: Job, spec: BackendSpec, progress: Callable[[int], None] |
         else:
             if own_routes:
                 td["routed_experts"] = own_routes[k]
-            out = _routed(model, replay, td, REPLAY, dev)
+            out, _ = _routed(model, replay, td, REPLAY, dev)
         labels = torch.roll(tokens, shifts=-1)
         logp, entropy = full_logprobs(model, out.last_hidden_state[0], labels, job.train.temperature)
         model_output = {
@@ -146,16 +147,21 @@ def fill_old_log_probs(model_dir: str | Path, stream: list[dict], temperature: f
     model = models.from_pretrained(model_dir, dtype=torch.float64, device=dev, ops=ops)
     replay = RouterReplay(model) if routes else None
     for batch in stream:
+        need_routes, need_logp = routes and "routed_experts" not in batch, "old_log_probs" not in batch
+        if not (need_routes or need_logp):
+            continue
         td = to_verl(batch, temperature, global_batch_size=batch["input_ids"].shape[0]).to(dev)
-        if routes and "routed_experts" not in batch:
-            values = _routed(model, replay, td, RECORD, dev).values().cpu()
+        if need_routes:  # one forward gives both: recording leaves the routing free
+            out, recorded = _routed(model, replay, td, RECORD, dev)
+            values = recorded.values().cpu()
             mask = batch["attention_mask"].bool()
             padded = torch.zeros(*mask.shape, *values.shape[1:], dtype=values.dtype)
             padded[mask] = values  # row-major over the valid tokens, as verl's unpad_input packs them
             batch["routed_experts"] = padded
-        if "old_log_probs" in batch:
+        else:
+            out = _forward(model, pack_micro_batch(td, dev))
+        if not need_logp:
             continue
-        out = _forward(model, pack_micro_batch(td, dev))
         logp, _ = full_logprobs(model, out.last_hidden_state[0], torch.roll(td["input_ids"].values(), -1), temperature)
         padded = no_padding_2_padding(logp, td).cpu() * batch["response_mask"]
         batch["old_log_probs"] = padded.to(torch.float32)
