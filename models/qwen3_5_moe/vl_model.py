@@ -103,7 +103,7 @@ class MoeVisionLM(nn.Module):
         over the images and videos together (frames are attended one at a time either way), or, with
         `tower_every_forward` and no media, over a dummy one-window image times zero: a sharded tower then
         all-gathers once per forward on every rank."""
-        present = []  # (what, pixels, grid, placeholder mask)
+        present = []  # (what, pixels, grid [N, 3], grid as host ints, placeholder id, placeholder mask)
         for what, pixels, grid_thw, token_id in media:
             mask = input_ids == token_id
             if pixels is None:
@@ -113,18 +113,18 @@ class MoeVisionLM(nn.Module):
                     n = int(mask.sum())
                     raise ValueError(f"{n} {what} placeholder tokens (id {token_id}) but 0 {what} features")
                 continue
-            check_grid(pixels, grid_thw, self.vision, what)
-            present.append((what, pixels, grid_thw, token_id, mask))
+            grid = check_grid(pixels, grid_thw, self.vision, what)  # here, so a bad grid names its modality
+            present.append((what, pixels, grid_thw, grid, token_id, mask))
         if not present:
             if not self.tower_every_forward:
                 return embeds
             m = self.vision.spatial_merge_size
             dummy = self.model.visual(embeds.new_zeros(m * m, self.vision.patch_dim), torch.tensor([[1, m, m]]))
             return embeds + 0.0 * dummy.sum().to(embeds.dtype)
-        features = self.model.visual(torch.cat([p for _, p, *_ in present]), torch.cat([g for _, _, g, *_ in present]))
+        features = self.model.visual(torch.cat([p[1] for p in present]), torch.cat([p[2] for p in present]))
         merge = self.vision.spatial_merge_size**2
-        sizes = [int(grid_thw.prod(-1).sum()) // merge for _, _, grid_thw, *_ in present]
-        for (what, _, grid_thw, token_id, mask), part in zip(present, features.split(sizes)):
+        sizes = [sum(t * h * w for t, h, w in p[3]) // merge for p in present]
+        for (what, _, _, grid, token_id, mask), part in zip(present, features.split(sizes)):
             placeholders, first = int(mask.sum()), 0
             total = placeholders
             if self.sequence_parallel is not None:
@@ -132,7 +132,7 @@ class MoeVisionLM(nn.Module):
             if total != part.shape[0]:
                 raise ValueError(
                     f"{total} {what} placeholder tokens (id {token_id}) but {part.shape[0]} {what} features "
-                    f"from {what}_grid_thw {grid_thw.tolist()}"
+                    f"from {what}_grid_thw {grid}"
                 )
             embeds = embeds.masked_scatter(mask.unsqueeze(-1), part[first : first + placeholders].to(embeds.dtype))
         if self.sequence_parallel is not None:  # a share without placeholders still backprops the (sharded) tower
