@@ -1,0 +1,96 @@
+"""What is alive at the peak of one training step of the bench's reduced Qwen3.5-MoE (issue 17).
+
+    python scripts/device/memory_peak.py TOKENS [--offload] [--fine] [--json F]
+
+Records the CUDA allocator's history (python stacks) over one checkpointed forward + log-prob loss +
+backward, replays it to the moment of the highest allocated total, and groups the blocks alive then by
+the innermost frame inside this repo (file:line function), largest first, in GiB and bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import torch
+from verl_moe.models import bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def where(frames) -> str:
+    for f in frames:
+        name = f.get("filename", "")
+        if name.startswith(REPO) and "memory_peak" not in name:
+            return f"{os.path.relpath(name, REPO)}:{f['line']} {f['name']}"
+    return "(outside the repo)"
+
+
+def peak_composition(snapshot) -> tuple[int, dict]:
+    live, total, best, best_live = {}, 0, -1, {}
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+                total += e["size"]
+            elif e["action"] in ("free_requested",) and e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+            if total > best:
+                best, best_live = total, dict(live)
+    groups = defaultdict(int)
+    for size, site in best_live.values():
+        groups[site] += size
+    return best, dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("tokens", type=int)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--fine", action="store_true", help="the case's `fine_checkpoint` option, when it exists")
+    p.add_argument("--json")
+    a = p.parse_args()
+    case = {"id": "memory", "layers": 8, "tokens": a.tokens, "checkpoint": True, "offload": a.offload}
+    if a.fine:
+        case["fine_checkpoint"] = True
+    inputs = bench.make_inputs(case, torch.device("cuda"))
+    bench.run("ours", inputs, "fwd_bwd")  # warm-up: autotune, compile
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+    bench.run("ours", inputs, "fwd_bwd")
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated()
+    replay_peak, groups = peak_composition(snapshot)
+    GiB, T = 1024**3, a.tokens
+    print(
+        f"T={T} offload={a.offload} fine={a.fine}: before the step {base / GiB:.2f} GiB, peak {peak / GiB:.2f} GiB, "
+        f"the step's extra peak {(peak - base) / GiB:.2f} GiB ({(peak - base) / T / 1024:.1f} KiB/token)"
+    )
+    print(f"alive at the replayed peak ({replay_peak / GiB:.2f} GiB of blocks allocated in the step):")
+    for site, size in list(groups.items())[:30]:
+        print(f"  {size / GiB:8.3f} GiB {size / T / 1024:8.1f} KiB/token  {site}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {
+                    "tokens": T,
+                    "offload": a.offload,
+                    "fine": a.fine,
+                    "base": base,
+                    "peak": peak,
+                    "replay_peak": replay_peak,
+                    "groups": groups,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
