@@ -41,7 +41,13 @@ from verl_moe.engines.config import (
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.models import build, from_pretrained, lora
-from verl_moe.models.parallelize import ExpertPlan, FsdpPlan, check_tied_embeddings, fully_shard_model
+from verl_moe.models.parallelize import (
+    OFFLOAD_TILE_TOKENS,
+    ExpertPlan,
+    FsdpPlan,
+    check_tied_embeddings,
+    fully_shard_model,
+)
 from verl_moe.ops import device
 from verl_moe.ops.common import runtime
 
@@ -177,6 +183,9 @@ class MoeEngineBase(BaseEngine):
             experts=self._expert_plan(),
             activation_offload=layout.activation_offload,
             activation_offload_modules=layout.activation_offload_modules,
+            # offload moves the checkpoint units' inputs to the host: units inside the layer then cost no
+            # device memory and cut what one layer's backward holds
+            checkpoint_tile_tokens=OFFLOAD_TILE_TOKENS if layout.activation_offload else 0,
         )
         # the activation offload's counters (host bytes, tensors packed), or None
         self.activation_offload = fully_shard_model(module, module.model, plan)

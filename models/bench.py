@@ -8,8 +8,11 @@ tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequence
 (32K, 128K, 256K tokens) with activation checkpointing per decoder layer, ours only (`-ckpt`).
 
 `--offload` (the `offload` option) adds activation offload to ours (`models/activation_offload.py`: each
-decoder layer's saved tensors, its inputs under checkpointing, go to pinned host memory and come back ahead
-of backward); rows then also carry the peak host memory the offload held (`host_gib`).
+decoder layer's saved tensors, its checkpoint units' inputs under checkpointing, go to pinned host memory
+and come back ahead of backward); rows then also carry the peak host memory the offload held (`host_gib`).
+With offload the `-ckpt` cases checkpoint inside each layer in 8192-token tiles, as the engines do
+(`parallelize.checkpoint_in_tiles`); `--checkpoint-units layer|tiles` (the `checkpoint_units` option)
+picks the units either way, for the ablation.
 
 Providers:
 - ours: `verl_moe.models.build` with the default ops, log-prob through our fused head;
@@ -47,7 +50,7 @@ CASES = [
         for t in (32768, 131072, 262144)
     ),
 ]
-OPTIONS = ("offload",)  # what `BenchConfig.extra` may set on every case
+OPTIONS = ("offload", "checkpoint_units")  # what `BenchConfig.extra` may set on every case
 PROVIDERS = ("ours", "veomni", "hf")
 REFERENCE = "veomni"
 MODES = ("fwd", "fwd_bwd")
@@ -159,7 +162,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     from torch.distributed._composable import checkpoint
 
     from . import build
-    from .parallelize import decoder_layers, offload_activations
+    from .parallelize import OFFLOAD_TILE_TOKENS, checkpoint_in_tiles, decoder_layers, offload_activations
 
     _allow_fla_backward_on_hopper()
     torch.manual_seed(0)
@@ -167,8 +170,14 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     ours = build(config, dtype=torch.bfloat16, device=device)
     offload = offload_activations(ours) if case.get("offload") else None
     if case.get("checkpoint"):
+        units = case.get("checkpoint_units") or ("tiles" if offload is not None else "layer")
+        if units not in ("layer", "tiles"):
+            raise ValueError(f"checkpoint_units={units!r}: use 'layer' or 'tiles'")
         for layer in decoder_layers(ours):
-            checkpoint(layer)
+            if units == "tiles":
+                checkpoint_in_tiles(layer, OFFLOAD_TILE_TOKENS)
+            else:
+                checkpoint(layer)
     T, N = case["tokens"], case.get("sequences", 1)
     input_ids = torch.randint(0, config.vocab_size, (1, T), device=device)
     bounds = torch.linspace(0, T, N + 1).long().tolist()

@@ -32,10 +32,28 @@ def host_values(cu_seqlens: torch.Tensor) -> list[int]:
     if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
         return seen[2]
     values = cu_seqlens.tolist()
-    if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
-        HOST_OFFSETS.clear()
-    HOST_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
+    _remember(cu_seqlens, stamp, values)
     return values
+
+
+def _remember(cu_seqlens: torch.Tensor, stamp: tuple[int, int], values: list[int]) -> None:
+    if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
+        for key in [key for key, entry in HOST_OFFSETS.items() if entry[0]() is None]:
+            del HOST_OFFSETS[key]  # offsets of batches (or tiles) already freed
+        if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
+            HOST_OFFSETS.clear()
+    HOST_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
+
+
+def offsets_tensor(values, device: torch.device) -> torch.Tensor:
+    """int32 offsets `values` (host ints) on `device`, copied without waiting for queued device work, and
+    known to `host_values` (no device read later)."""
+    host = torch.tensor(list(values), dtype=torch.int32)
+    if torch.device(device).type == "cpu":
+        return host
+    offsets = host.pin_memory().to(device, non_blocking=True)
+    _remember(offsets, (offsets._version, offsets.data_ptr()), list(values))
+    return offsets
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:

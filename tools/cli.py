@@ -88,6 +88,9 @@ def bench(
     offload: bool = typer.Option(
         False, "--offload", help="model only: activation offload of ours (decoder layers' saved tensors to host)"
     ),
+    checkpoint_units: str = typer.Option(
+        None, help="model only, -ckpt cases: 'layer' or 'tiles' (default: tiles with --offload, as the engines)"
+    ),
 ):
     """Time every provider of one op in one process, after a correctness check."""
     from .bench import BenchConfig, print_report, print_row, run
@@ -100,7 +103,10 @@ def bench(
             modes=tuple(mode),
             reps=reps,
             json_path=json_path,
-            extra={"offload": True} if offload else {},
+            extra={
+                **({"offload": True} if offload else {}),
+                **({"checkpoint_units": checkpoint_units} if checkpoint_units else {}),
+            },
         ),
         on_row=print_row,
     )

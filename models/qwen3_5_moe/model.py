@@ -15,17 +15,58 @@ conv1d.weight, A_log and dt_bias (see `verl_moe.models.parallel`).
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from ...ops.varlen import host_values, offsets_tensor
 from ..arch import ArchConfig
 from ..layers import ResolvedOps, RMSNorm
 
 if TYPE_CHECKING:
     from ..parallel import UlyssesGroup
+
+
+@dataclass(frozen=True)
+class TileSpan:
+    """Tokens [start, stop) of a packed row of sequences, as one tile of the GatedDeltaNet: the conv also
+    reads the `prefix` tokens before `start` that belong to the same sequence (its context), offsets
+    local to the prefixed tile (`conv_cu`) and to the tile (`gdn_cu`); `continues`: the tile's first
+    sequence began before it (its state carries in); `carries_on`: its last one goes on after it."""
+
+    start: int
+    stop: int
+    prefix: int
+    conv_cu: tuple[int, ...]
+    gdn_cu: tuple[int, ...]
+    continues: bool
+    carries_on: bool
+
+    @property
+    def sequences(self) -> int:
+        return len(self.gdn_cu) - 1
+
+
+def tile_span(bounds: list[int], start: int, stop: int, context: int) -> TileSpan:
+    """The tile [start, stop) of a row whose sequences are `bounds` (cu_seqlens as host ints), with up to
+    `context` tokens of conv context (kernel width - 1) from the sequence running into it."""
+    first = bounds[bisect.bisect_right(bounds, start) - 1]  # start of the sequence holding `start`
+    prefix = start - max(first, start - context)
+    inner = [b for b in bounds if start < b < stop]
+    return TileSpan(
+        start=start,
+        stop=stop,
+        prefix=prefix,
+        conv_cu=(0, *(b - start + prefix for b in inner), stop - start + prefix),
+        gdn_cu=(0, *(b - start for b in inner), stop - start),
+        continues=first < start,
+        carries_on=stop not in bounds,
+    )
 
 
 class GatedDeltaNet(nn.Module):
@@ -59,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False, **factory)
         self.ops = ops
         self.sequence_parallel: UlyssesGroup | None = None  # set by MoeCausalLM.set_sequence_parallel
+        self.checkpoint_tile_tokens = 0  # > 0: checkpointed in token tiles (see forward)
         self.reset_gates()
 
     @torch.no_grad()
@@ -69,9 +111,50 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """x: [B, T, D] (B == 1 with cu_seqlens [N+1]); returns [B, T, D]. Under sequence
-        parallelism T is this rank's share of the packed row and cu_seqlens describes the whole row."""
+        parallelism T is this rank's share of the packed row and cu_seqlens describes the whole row.
+
+        With `checkpoint_tile_tokens` > 0 (set by `models/parallelize.checkpoint_in_tiles`) the mixer is
+        its own activation-checkpoint unit, and a packed row longer than a tile runs as consecutive
+        token tiles, each a unit: the recurrence's state and the conv's last inputs carry over, so
+        backward recomputes and holds one tile at a time. One unit under SP (the all-to-all needs whole
+        sequences) and for a batch of rows."""
+        tile = self.checkpoint_tile_tokens
+        if not tile:
+            return self._mix(x, cu_seqlens, cu_seqlens)[0]
+        if self.sequence_parallel is not None or x.shape[0] != 1 or x.shape[1] <= tile:
+            return checkpoint(self._mix, x, cu_seqlens, cu_seqlens, use_reentrant=False)[0]
+        bounds = [0, x.shape[1]] if cu_seqlens is None else host_values(cu_seqlens)
+        outputs, carry = [], None
+        for start in range(0, x.shape[1], tile):
+            span = tile_span(bounds, start, min(start + tile, x.shape[1]), self.conv1d.kernel_size[0] - 1)
+            x_span = x[:, span.start - span.prefix : span.stop]
+            y, carry = checkpoint(self._mix_tile, x_span, span, cu_seqlens is not None, carry, use_reentrant=False)
+            outputs.append(y)
+        return torch.cat(outputs, dim=1)
+
+    def _mix_tile(self, x_span, span: TileSpan, packed: bool, carry):
+        """One token tile: `carry` [HV, K, V] is the state of the sequence running into the tile (None
+        when a sequence starts at the tile); returns (output, the state running out of it or None). The
+        tile's offsets are made here from host ints, also in the recompute: a tensor input would be
+        saved (offloaded) and come back as a tensor whose values the ops read from the device."""
+        conv_cu = gdn_cu = None
+        if packed:
+            conv_cu, gdn_cu = (offsets_tensor(o, x_span.device) for o in (span.conv_cu, span.gdn_cu))
+        initial = None
+        if span.continues:
+            initial = carry[None]
+            if span.sequences > 1:  # the tile's other sequences start from zero
+                initial = torch.cat([initial, initial.new_zeros(span.sequences - 1, *carry.shape)])
+        y, final = self._mix(x_span, conv_cu, gdn_cu, span.prefix, initial, span.carries_on)
+        return y, final[-1] if span.carries_on else None
+
+    def _mix(self, x, conv_cu, gdn_cu, prefix: int = 0, initial_state=None, final_state: bool = False):
+        """The mixer on x [B, P + T, D], whose first `prefix` (P) tokens only feed the conv (the previous
+        tile's last inputs): conv_cu describes all P + T tokens, gdn_cu the T tokens. Returns (output
+        [B, T, D], the recurrence's final state per sequence or None)."""
+        mixed_qkv = self.in_proj_qkv(x)  # [B, P + T, C]: q | k | v channels
+        x = x[:, prefix:]
         B, T, _ = x.shape
-        mixed_qkv = self.in_proj_qkv(x)  # [B, T, C]: q | k | v channels
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, HV]
         conv_weight, A_log, dt_bias = self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
@@ -81,7 +164,7 @@ class GatedDeltaNet(nn.Module):
             conv_weight, A_log, dt_bias = self._local_head_params()
         T_row, HV = z.shape[1:3]  # under SP: the whole packed row, this rank's value heads
         H = HV * self.num_k_heads // self.num_v_heads
-        qkv = self.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu_seqlens)
+        qkv = self.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=conv_cu)[:, prefix:]
         q, k, v = qkv.split([H * self.head_k_dim, H * self.head_k_dim, HV * self.head_v_dim], dim=-1)
         q = q.reshape(B, T_row, H, self.head_k_dim)
         k = k.reshape(B, T_row, H, self.head_k_dim)
@@ -91,22 +174,22 @@ class GatedDeltaNet(nn.Module):
         # bf16 rounding of g compounds over the whole sequence.
         cd = torch.float64 if A_log.dtype == torch.float64 else torch.float32
         g = -A_log.to(cd).exp() * F.softplus(a.to(cd) + dt_bias.to(cd))
-        o, _ = self.ops.gdn(
+        o, final = self.ops.gdn(
             q,
             k,
             v,
             g,
             beta,
             scale=None,
-            initial_state=None,
-            output_final_state=False,
+            initial_state=initial_state,
+            output_final_state=final_state,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=gdn_cu,
         )
         o = self.norm(o, gate=z)
         if self.sequence_parallel is not None:
             o = self.sequence_parallel.heads_to_seq(o)
-        return self.out_proj(o.reshape(B, T, self.value_dim))
+        return self.out_proj(o.reshape(B, T, self.value_dim)), final
 
     def _seq_to_heads(self, mixed_qkv, z, b, a):
         """Ulysses exchange of the token-wise projections: mixed_qkv [B, T/sp, C], z [B, T/sp, HV, V],

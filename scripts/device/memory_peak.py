@@ -1,6 +1,6 @@
 """What is alive at the peak of one training step of the bench's reduced Qwen3.5-MoE (issue 17).
 
-    python scripts/device/memory_peak.py TOKENS [--offload] [--fine] [--json F]
+    python scripts/device/memory_peak.py TOKENS [--offload] [--units layer|tiles] [--json F]
 
 Records the CUDA allocator's history (python stacks) over one checkpointed forward + log-prob loss +
 backward, replays it to the moment of the highest allocated total, and groups the blocks alive then by
@@ -49,12 +49,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("tokens", type=int)
     p.add_argument("--offload", action="store_true")
-    p.add_argument("--fine", action="store_true", help="the case's `fine_checkpoint` option, when it exists")
+    p.add_argument("--units", choices=("layer", "tiles"), help="checkpoint units (default: tiles with --offload)")
     p.add_argument("--json")
     a = p.parse_args()
     case = {"id": "memory", "layers": 8, "tokens": a.tokens, "checkpoint": True, "offload": a.offload}
-    if a.fine:
-        case["fine_checkpoint"] = True
+    if a.units:
+        case["checkpoint_units"] = a.units
     inputs = bench.make_inputs(case, torch.device("cuda"))
     bench.run("ours", inputs, "fwd_bwd")  # warm-up: autotune, compile
     torch.cuda.synchronize()
@@ -69,7 +69,8 @@ def main():
     replay_peak, groups = peak_composition(snapshot)
     GiB, T = 1024**3, a.tokens
     print(
-        f"T={T} offload={a.offload} fine={a.fine}: before the step {base / GiB:.2f} GiB, peak {peak / GiB:.2f} GiB, "
+        f"T={T} offload={a.offload} units={a.units or 'default'}: before the step {base / GiB:.2f} GiB, "
+        f"peak {peak / GiB:.2f} GiB, "
         f"the step's extra peak {(peak - base) / GiB:.2f} GiB ({(peak - base) / T / 1024:.1f} KiB/token)"
     )
     print(f"alive at the replayed peak ({replay_peak / GiB:.2f} GiB of blocks allocated in the step):")
@@ -81,7 +82,7 @@ def main():
                 {
                     "tokens": T,
                     "offload": a.offload,
-                    "fine": a.fine,
+                    "units": a.units,
                     "base": base,
                     "peak": peak,
                     "replay_peak": replay_peak,

@@ -1,18 +1,31 @@
-# One device call (~9 min): activation offload on the reduced Qwen3.5-MoE (8 layers, bf16) with activation
-# checkpointing per decoder layer (issue 17): one sequence of 32,768 tokens with offload off, then on (peak
-# GiB = weights + the step's peak, step ms; host_gib = the pinned host memory the offload held), then
-# 131,072 and 262,144 tokens with offload on (before offload: 131,072 fit at 82 GiB, 262,144 ran out of memory).
-# Each case runs in its own process, so an out-of-memory case leaves the others' reports. If 262,144 runs out
-# by a little, rerun that step with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation).
-# run(command="bash scripts/device/offload_h200.sh", carry=[".whl"])
+# Activation offload and checkpoint tiles on the reduced Qwen3.5-MoE L8 (bf16) on one H200 (issue 17).
+# PHASE=32k (~5 min): what is alive at the step's peak at 32,768 tokens (scripts/device/memory_peak.py) for
+#   per-layer checkpointing, tiles + offload (the engines' offload) and tiles alone; then the bench's timed
+#   32K step for: per-layer checkpointing (the baseline), offload with tiles, offload with per-layer units,
+#   tiles without offload.
+# PHASE=long (~8 min): the longest sequences, 131,072 and 262,144 tokens, with and without offload.
+# Each case runs in its own process, so an out-of-memory case leaves the others' reports.
+# run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
 set -o pipefail
 source scripts/device/env.sh
 export TRITON_CACHE_DIR=/tmp/tc
+peak() { timeout 150 python3 scripts/device/memory_peak.py "$@" --json "$OUT/memory_${*// /}.json" 2>&1 \
+  | grep -v "^\[" | tail -22 | tee -a "$OUT/memory.txt"; }
 step() { local name=$1 t=$2 tokens=$3 reps=$4; shift 4
   timeout "$t" python3 -m verl_moe.tools.cli bench model --case "qwen3.5-moe-reduced-L8-T$tokens-ckpt" --provider ours \
     --mode fwd_bwd --reps "$reps" "$@" --json "$OUT/offload_$name.json" 2>&1 \
-    | grep -v "^\[" | grep -v "^[┏┃┡└│━]" | tail -6 | tee -a "$OUT/offload.txt"; }
-step T32768_off 120 32768 3
-step T32768_on 120 32768 3 --offload
-step T131072_on 140 131072 1 --offload
-step T262144_on 190 262144 1 --offload
+    | grep -v "^\[" | grep -v "^[┏┃┡└│━]" | grep -v "Warning\|_warn_once" | tail -4 | tee -a "$OUT/offload.txt"; }
+if [ "${PHASE:-32k}" = 32k ]; then
+  peak 32768 --units layer
+  peak 32768 --offload
+  peak 32768 --units tiles
+  step T32768_layer 100 32768 5
+  step T32768_offload_tiles 100 32768 5 --offload
+  step T32768_offload_layer 100 32768 5 --offload --checkpoint-units layer
+  step T32768_tiles 100 32768 5 --checkpoint-units tiles
+else
+  step T131072_layer 110 131072 2
+  step T131072_offload_tiles 120 131072 2 --offload
+  step T262144_layer 150 262144 1
+  step T262144_offload_tiles 170 262144 1 --offload
+fi
