@@ -24,8 +24,10 @@ without it as on (verl's worker sets it only for the megatron and veomni strateg
 
 Per micro-batch the engine arms one `RouterReplay` (a slot per MoE layer, set as that layer's
 `TopKRouter.override`), runs forward and backward (recomputation under activation checkpointing sees
-the same armed ids), then disarms it. Under Ulysses SP each rank arms its slice of the packed row
-(`batch.sequence_shard`, as `batch.slice_packed` cuts the tokens) and recordings are gathered back.
+the same armed ids), then disarms it. A tiled MoE block (`MoeBlock.checkpoint_tile_tokens`) calls its
+slot once per tile with the tile's rows of the layer's tokens. Under Ulysses SP each rank arms its
+slice of the packed row (`batch.sequence_shard`, as `batch.slice_packed` cuts the tokens) and recordings
+are gathered back.
 
 Alphabet: N sequences, T packed tokens, L decoder layers, E experts, TOPK experts per token.
 """
@@ -66,29 +68,48 @@ def step_action(mode: str, data: TensorDict, forward_only: bool) -> str | None:
 
 
 class _LayerSlot:
-    """One MoE layer's `RoutingOverride`: replays `targets` where `valid`, or records the first call's
-    free ids (later calls are the backward recomputation of the same forward)."""
+    """One MoE layer's `RoutingOverride`: replays `targets` where `valid`, or records the free ids.
+
+    A call covers the layer's tokens `rows` (a contiguous slice: one tile of a tiled `MoeBlock`;
+    None: all of them). Replay reads those rows of `targets`; recording keeps the first call for each
+    row range (later calls are the backward recomputation of the same forward), and `recorded`
+    assembles the tiles in token order."""
 
     def __init__(self) -> None:
         self.recording = False
-        self.recorded: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None  # [T, TOPK] int64
         self.valid: torch.Tensor | None = None  # [T, 1] bool
+        self._tiles: dict[int, torch.Tensor] = {}  # first row -> that call's free ids [n, TOPK]
 
-    def __call__(self, free_idx: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, free_idx: torch.Tensor, rows: slice | None = None) -> torch.Tensor | None:
         if self.targets is not None:
-            if self.targets.shape != free_idx.shape:
+            targets, valid = (self.targets, self.valid) if rows is None else (self.targets[rows], self.valid[rows])
+            if targets.shape != free_idx.shape:
+                where = "" if rows is None else f" (rows {rows.start}:{rows.stop} of {self.targets.shape[0]})"
                 raise ValueError(
-                    f"router replay targets {tuple(self.targets.shape)} for a router call on "
+                    f"router replay targets {tuple(targets.shape)}{where} for a router call on "
                     f"{tuple(free_idx.shape)} ids: the batch's routed_experts do not match the tokens"
                 )
-            return torch.where(self.valid, self.targets, free_idx)
-        if self.recording and self.recorded is None:
-            self.recorded = free_idx.detach().clone()
+            return torch.where(valid, targets, free_idx)
+        start = 0 if rows is None else rows.start or 0
+        if self.recording and start not in self._tiles:
+            self._tiles[start] = free_idx.detach().clone()
         return None
 
+    @property
+    def recorded(self) -> torch.Tensor | None:
+        """The recorded free ids [T, TOPK] int64 in token order, or None before any call."""
+        if not self._tiles:
+            return None
+        starts = sorted(self._tiles)
+        pieces = [self._tiles[s] for s in starts]
+        ends = [s + p.shape[0] for s, p in zip(starts, pieces)]
+        if starts != [0, *ends[:-1]]:
+            raise RuntimeError(f"router replay: the recorded tiles (first rows {starts}) do not cover the tokens")
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def clear(self) -> None:
-        self.recording, self.recorded, self.targets, self.valid = False, None, None, None
+        self.recording, self.targets, self.valid, self._tiles = False, None, None, {}
 
 
 class RouterReplay:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from .arch import ArchConfig
 
@@ -133,9 +134,11 @@ class DenseMLP(MLP):
 class RoutingOverride(Protocol):
     """What a router asks, once per call, when an override is set (`TopKRouter.override`; the
     engines' router replay, `engines/router_replay.py`, owns it): given the freely chosen ids
-    [N, TOPK] int64, the ids to use instead ([N, TOPK] int64), or None to keep the free choice."""
+    [N, TOPK] int64, the ids to use instead ([N, TOPK] int64), or None to keep the free choice.
+    `rows` (a tiled MoE block only, `MoeBlock.checkpoint_tile_tokens`) is the call's contiguous
+    slice of the layer's flat tokens; a call without tiles passes only free_idx (all the tokens)."""
 
-    def __call__(self, free_idx: torch.Tensor) -> torch.Tensor | None: ...
+    def __call__(self, free_idx: torch.Tensor, rows: slice | None = None) -> torch.Tensor | None: ...
 
 
 class TopKRouter(nn.Module):
@@ -150,10 +153,16 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob, self.ops = arch.num_experts_per_tok, arch.norm_topk_prob, ops
         self.override: RoutingOverride | None = None
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden: [N, D] -> logits [N, E], topk_weight [N, TOPK] (router dtype), topk_idx [N, TOPK]."""
+    def forward(
+        self, hidden: torch.Tensor, rows: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden: [N, D] -> logits [N, E], topk_weight [N, TOPK] (router dtype), topk_idx [N, TOPK].
+        rows: which of the layer's flat tokens `hidden` holds (one tile), None for all of them."""
         routed = self.ops.router(hidden, self.weight, self.top_k, self.norm_topk_prob, dtype=self.ops.router_dtype)
-        forced = None if self.override is None else self.override(routed[2])
+        if self.override is None:
+            forced = None
+        else:
+            forced = self.override(routed[2]) if rows is None else self.override(routed[2], rows)
         if forced is None:
             return routed
         logits, topk_weight, topk_idx = routed
@@ -212,7 +221,15 @@ class Experts(nn.Module):
 
 
 class MoeBlock(nn.Module):
-    """Routed experts plus, when configured, a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Routed experts plus, when configured, a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    `checkpoint_tile_tokens` (0: off) > 0 runs the flat tokens in contiguous tiles of at most that
+    many, each tile (router, experts, shared expert) one activation-checkpoint unit: autograd keeps
+    only the tile inputs (views of x) and the backward recomputes one tile at a time, so a long
+    sequence's MoE backward holds one tile's permuted rows and expert activations, not all of them.
+    Under expert parallelism the block runs one tile (still checkpointed): the all-to-all
+    collectives need the same number of calls on every rank, and the ranks' token counts differ.
+    """
 
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
@@ -223,12 +240,33 @@ class MoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False, **factory)
         else:
             self.shared_expert = None
+        self.checkpoint_tile_tokens: int = 0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, T, D] -> (out [B, T, D], router_logits [B*T, E] in the router dtype)."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, topk_weight, topk_idx = self.gate(flat)
+        if self.checkpoint_tile_tokens <= 0:
+            out, logits = self._tile(flat, None)
+            return out.view_as(x), logits
+        n = flat.shape[0]
+        tile = max(n, 1) if self.experts.expert_parallel is not None else self.checkpoint_tile_tokens
+        outs, logits = [], []
+        for start in range(0, max(n, 1), tile):  # an empty input is one (empty) tile: EP's collectives run
+            rows = slice(start, min(start + tile, n))
+            if torch.is_grad_enabled():
+                out, lg = checkpoint(self._tile, flat[rows], rows, use_reentrant=False)
+            else:  # nothing to save: checkpointing would only add its hooks
+                out, lg = self._tile(flat[rows], rows)
+            outs.append(out)
+            logits.append(lg)
+        if len(outs) == 1:
+            return outs[0].view_as(x), logits[0]
+        return torch.cat(outs).view_as(x), torch.cat(logits)
+
+    def _tile(self, flat: torch.Tensor, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat: [n, D], the layer's tokens `rows` (None: all) -> (out [n, D], router logits [n, E])."""
+        logits, topk_weight, topk_idx = self.gate(flat) if rows is None else self.gate(flat, rows)
         out = self.experts(flat, topk_idx, topk_weight)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.view_as(x), logits
+        return out, logits
