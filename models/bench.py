@@ -12,7 +12,7 @@ decoder layer's saved tensors, its checkpoint units' inputs under checkpointing,
 and come back ahead of backward); rows then also carry the peak host memory the offload held (`host_gib`).
 With offload the `-ckpt` cases checkpoint inside each layer in 8192-token tiles, as the engines do
 (`parallelize.checkpoint_in_tiles`); `--checkpoint-units layer|tiles` (the `checkpoint_units` option)
-picks the units either way, for the ablation.
+picks the units either way, for the ablation, and `--tile-tokens N` (`tile_tokens`) the tile.
 
 Providers:
 - ours: `verl_moe.models.build` with the default ops, log-prob through our fused head;
@@ -50,7 +50,7 @@ CASES = [
         for t in (32768, 131072, 262144)
     ),
 ]
-OPTIONS = ("offload", "checkpoint_units")  # what `BenchConfig.extra` may set on every case
+OPTIONS = ("offload", "checkpoint_units", "tile_tokens")  # what `BenchConfig.extra` may set on every case
 PROVIDERS = ("ours", "veomni", "hf")
 REFERENCE = "veomni"
 MODES = ("fwd", "fwd_bwd")
@@ -175,7 +175,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
             raise ValueError(f"checkpoint_units={units!r}: use 'layer' or 'tiles'")
         for layer in decoder_layers(ours):
             if units == "tiles":
-                checkpoint_in_tiles(layer, OFFLOAD_TILE_TOKENS)
+                checkpoint_in_tiles(layer, case.get("tile_tokens") or OFFLOAD_TILE_TOKENS)
             else:
                 checkpoint(layer)
     T, N = case["tokens"], case.get("sequences", 1)

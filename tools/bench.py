@@ -184,9 +184,13 @@ def _extra_columns(row: dict) -> list[str]:
     return extra + [k for k in row if k.startswith(RATIO_PREFIXES)]
 
 
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+
+
 def print_row(row: dict) -> None:
     """One progress line per measured row (the table follows at the end)."""
-    derived = "".join(f", {k} {row[k]:.4g}" for k in _extra_columns(row) if not k.startswith(RATIO_PREFIXES))
+    derived = "".join(f", {k} {_cell(row[k])}" for k in _extra_columns(row) if not k.startswith(RATIO_PREFIXES))
     kernel = f" (kernels {row['kernel_ms']:.3f} ms)" if row["kernel_ms"] == row["kernel_ms"] else ""
     print(
         f"{row['case']} {row['mode']} {row['provider']}: {row['ms']:.3f} ms{kernel}, "

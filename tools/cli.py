@@ -91,6 +91,7 @@ def bench(
     checkpoint_units: str = typer.Option(
         None, help="model only, -ckpt cases: 'layer' or 'tiles' (default: tiles with --offload, as the engines)"
     ),
+    tile_tokens: int = typer.Option(None, help="model only: the checkpoint tile in tokens (default 8192)"),
 ):
     """Time every provider of one op in one process, after a correctness check."""
     from .bench import BenchConfig, print_report, print_row, run
@@ -106,6 +107,7 @@ def bench(
             extra={
                 **({"offload": True} if offload else {}),
                 **({"checkpoint_units": checkpoint_units} if checkpoint_units else {}),
+                **({"tile_tokens": tile_tokens} if tile_tokens else {}),
             },
         ),
         on_row=print_row,

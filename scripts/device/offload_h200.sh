@@ -3,14 +3,16 @@
 #   per-layer checkpointing, tiles + offload (the engines' offload) and tiles alone; then the bench's timed
 #   32K step for: per-layer checkpointing (the baseline), offload with tiles, offload with per-layer units,
 #   tiles without offload.
-# PHASE=long (~8 min): the longest sequences, 131,072 and 262,144 tokens, with and without offload.
+# PHASE=long (~8 min): tiles alone and 16K tiles with offload at 32K, then 262,144 tokens with and without
+#   offload.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
 # run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
 set -o pipefail
 source scripts/device/env.sh
 export TRITON_CACHE_DIR=/tmp/tc
-peak() { timeout 150 python3 scripts/device/memory_peak.py "$@" --json "$OUT/memory_${*// /}.json" 2>&1 \
-  | grep -v "^\[" | tail -22 | tee -a "$OUT/memory.txt"; }
+peak() { local tag="$*"; tag=${tag// /}
+  timeout 150 python3 scripts/device/memory_peak.py "$@" --json "$OUT/memory_${tag//-/}.json" 2>&1 \
+  | grep -v "^\[" | tail -24 | tee -a "$OUT/memory.txt"; }
 step() { local name=$1 t=$2 tokens=$3 reps=$4; shift 4
   timeout "$t" python3 -m verl_moe.tools.cli bench model --case "qwen3.5-moe-reduced-L8-T$tokens-ckpt" --provider ours \
     --mode fwd_bwd --reps "$reps" "$@" --json "$OUT/offload_$name.json" 2>&1 \
@@ -24,8 +26,8 @@ if [ "${PHASE:-32k}" = 32k ]; then
   step T32768_offload_layer 100 32768 5 --offload --checkpoint-units layer
   step T32768_tiles 100 32768 5 --checkpoint-units tiles
 else
-  step T131072_layer 110 131072 2
-  step T131072_offload_tiles 120 131072 2 --offload
+  step T32768_tiles 100 32768 5 --checkpoint-units tiles
+  step T32768_offload_tiles16k 100 32768 5 --offload --tile-tokens 16384
   step T262144_layer 150 262144 1
   step T262144_offload_tiles 170 262144 1 --offload
 fi
