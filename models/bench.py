@@ -10,7 +10,7 @@ tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequence
 `--offload` (the `offload` option) adds activation offload to ours (`models/activation_offload.py`: each
 decoder layer's saved tensors, its checkpoint units' inputs under checkpointing, go to pinned host memory
 and come back ahead of backward); rows then also carry the peak host memory the offload held (`host_gib`).
-With offload the `-ckpt` cases checkpoint inside each layer in 8192-token tiles, as the engines do
+With offload the `-ckpt` cases checkpoint inside each layer in 16,384-token tiles, as the engines do
 (`parallelize.checkpoint_in_tiles`); `--checkpoint-units layer|tiles` (the `checkpoint_units` option)
 picks the units either way, for the ablation, and `--tile-tokens N` (`tile_tokens`) the tile.
 

@@ -74,9 +74,10 @@ class FsdpPlan:
     checkpoint_tile_tokens: int = 0
 
 
-# Token tile of `checkpoint_in_tiles` under activation offload. At 8192 tokens the MoE's grouped GEMMs
-# still see ~1K rows per expert (64 experts, top-8), and a tile's recompute is ~1 GiB at hidden 2048.
-OFFLOAD_TILE_TOKENS = 8192
+# Token tile of `checkpoint_in_tiles` under activation offload. Measured on the H200 (reduced Qwen3.5-MoE
+# L8, 32K tokens, BENCHMARKS.md): 16,384-token tiles cost +4.6% step time, 8,192-token ones +16% (smaller
+# grouped GEMMs, more launches), for the same peak (an attention layer's backward sets it).
+OFFLOAD_TILE_TOKENS = 16384
 
 
 def checkpoint_in_tiles(layer: nn.Module, tile_tokens: int) -> None:

@@ -91,7 +91,7 @@ def bench(
     checkpoint_units: str = typer.Option(
         None, help="model only, -ckpt cases: 'layer' or 'tiles' (default: tiles with --offload, as the engines)"
     ),
-    tile_tokens: int = typer.Option(None, help="model only: the checkpoint tile in tokens (default 8192)"),
+    tile_tokens: int = typer.Option(None, help="model only: the checkpoint tile in tokens (default 16384)"),
 ):
     """Time every provider of one op in one process, after a correctness check."""
     from .bench import BenchConfig, print_report, print_row, run

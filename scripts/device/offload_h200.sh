@@ -5,6 +5,7 @@
 #   tiles without offload.
 # PHASE=long (~8 min): tiles alone and 16K tiles with offload at 32K, then 262,144 tokens with and without
 #   offload.
+# PHASE=262k: 262,144 tokens with offload (the engines' tiles) alone, for a call with little time left.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
 # run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
 set -o pipefail
@@ -25,6 +26,8 @@ if [ "${PHASE:-32k}" = 32k ]; then
   step T32768_offload_tiles 100 32768 5 --offload
   step T32768_offload_layer 100 32768 5 --offload --checkpoint-units layer
   step T32768_tiles 100 32768 5 --checkpoint-units tiles
+elif [ "$PHASE" = 262k ]; then
+  step T262144_offload_tiles 280 262144 1 --offload
 else
   step T32768_tiles 100 32768 5 --checkpoint-units tiles
   step T32768_offload_tiles16k 100 32768 5 --offload --tile-tokens 16384
