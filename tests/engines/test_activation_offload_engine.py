@@ -3,8 +3,10 @@
 On 2 gloo ranks, per engine: one optimizer step (two micro-batches per rank, per-layer checkpointing on,
 verl's default) with the switch off, then on: fsdp2 reads `model.enable_activation_offload`, veomni
 `enable_async_activation_offload` (with VeOmni's module-list option naming the decoder layers). Offload only
-moves saved tensors to host memory and back, so the loss, the gradient norm and every weight after the step
-must be equal. The refusals of what the engines cannot honour are checked before any build.
+moves saved tensors to host memory and back, and moves the checkpoint units inside the layers (mixer and MoE
+block; these micro-batches are shorter than one 16,384-token tile, whose splitting `tests/models/
+test_checkpoint_tiles.py` checks), which recompute the same ops: the loss, the gradient norm and every
+weight after the step must be equal. The refusals of what the engines cannot honour are checked before any build.
 """
 
 from __future__ import annotations

@@ -247,3 +247,24 @@ def test_expert_parallel_runs_one_checkpointed_tile(monkeypatch):
     out, _ = block(x)
     out.square().sum().backward()
     assert calls == [(N, False), (N, True)]  # one tile, recomputed once in backward
+
+
+def test_align_router_recorder_joins_the_tiles():
+    """`verl-moe align`'s recorder of expert ids (tools/align/backends/engine.py) keeps each tile's first
+    call: through tiles, forward and the backward's recomputation, it gives the untiled ids."""
+    from verl_moe.tools.align.backends.engine import RouterRecorder
+
+    torch.manual_seed(0)
+    model = vm.build(tiny_qwen3_5_moe_text())
+    ids, pos, cu = packed_inputs(LENGTHS)
+    recorder = RouterRecorder(model)
+    with torch.no_grad():
+        model(ids, pos, cu_seqlens=cu)
+    want = recorder.take()
+    for block in (m for m in model.modules() if isinstance(m, MoeBlock)):
+        block.checkpoint_tile_tokens = 8
+    model(ids, pos, cu_seqlens=cu).last_hidden_state.sum().backward()
+    got = recorder.take()
+    assert len(got) == len(want) == model.arch.num_hidden_layers
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"layer {layer}"

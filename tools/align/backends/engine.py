@@ -101,21 +101,23 @@ def _adamw(train: TrainSettings) -> dict:
 class RouterRecorder:
     """Forward hooks on every `TopKRouter` of a module: the top-k expert ids ([N, TOPK], sorted
     along TOPK) of each router's first call since the last `take()`, in layer order. Later calls
-    (activation-checkpoint recomputation in backward) are ignored."""
+    (activation-checkpoint recomputation in backward) are ignored. A MoE block checkpointed in token
+    tiles calls its router once per tile with the tile's rows: the first call of each tile counts."""
 
     def __init__(self, module: torch.nn.Module):
         from verl_moe.models.layers import TopKRouter
 
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
-        self.first: dict[int, torch.Tensor] = {}
+        self.first: dict[int, dict[int, torch.Tensor]] = {}  # id(router) -> first row of a tile -> ids
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
     def _hook(self, module, args, output):
         _, _, topk_idx = output
-        self.first.setdefault(id(module), topk_idx.detach().sort(dim=-1).values.cpu())
+        start = args[1].start if len(args) > 1 and args[1] is not None else 0
+        self.first.setdefault(id(module), {}).setdefault(start, topk_idx.detach().sort(dim=-1).values.cpu())
 
     def take(self) -> list[torch.Tensor]:
-        out = [self.first[id(r)] for r in self.routers if id(r) in self.first]
+        out = [torch.cat([tiles[s] for s in sorted(tiles)]) for r in self.routers if (tiles := self.first.get(id(r)))]
         self.first = {}
         return out
 
