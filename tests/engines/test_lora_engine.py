@@ -5,7 +5,9 @@ gloo ranks: only adapter entries change, the merged export equals base + scale *
 exported base and adapters), `disable_adapter` gives the untrained model's log-probs back bitwise, the
 unmerged export is the adapters under peft's names with a peft config, a checkpoint resumes bitwise;
 1 rank and 2 ranks agree (summed loss, grad norms, adapters) within fp32 reduction-order tolerance.
-veomni, expert LoRA, 2 ranks: EP=2 trains as EP=1. Bad LoRA keys fail validation naming them.
+veomni, expert LoRA, 2 ranks: EP=2 trains as EP=1. fsdp2, 2 ranks holding one batch: Ulysses SP 2 with
+activation offload trains as data parallel without it (grad norms, adapters). Bad LoRA keys fail
+validation naming them.
 
 Tolerances: 2 ranks vs 1, fp32 (summation order only): losses and grad norms rel 1e-5, adapters rel RMS
 1e-5; merged export vs fp64 base + scale * B A: rel RMS 1e-6.
@@ -188,6 +190,43 @@ def test_veomni_expert_lora_ep2_equals_ep1(tmp_path):
             assert abs(a - b) <= 1e-5 * max(abs(a), 1.0), (key, a, b)
     for name, value in ep1["adapters"].items():
         assert rel_rms(torch.tensor(value), torch.tensor(ep2["adapters"][name])) <= 1e-5, name
+
+
+def fsdp2_lora_sp_offload(rank: int, world_size: int, path: str) -> dict:
+    """Two GRPO steps of LoRA on 2 ranks holding the same batch: data parallel without offload, then
+    Ulysses SP 2 with activation offload (its units inside the layers). Both see the same global batch."""
+    out = {}
+    for name, fields, model in (
+        ("dp", {}, {}),
+        ("sp_offload", {"ulysses_sequence_parallel_size": 2}, {"enable_activation_offload": True}),
+    ):
+        engine = build_engine(path, model={**_lora_model(merge=True), **model}, **fields)
+        norms = []
+        for seed in (3, 4):
+            data = fixed_ppo_batch(8, 5, 6, seed=seed, rank=0, world_size=1)  # the whole batch on each rank
+            tu.assign_non_tensor(data, micro_batch_size_per_gpu=len(data))
+            with engine.train_mode():
+                norms.append(engine.train_batch(data, ppo_loss_fn(grpo_actor_config()))["metrics"]["grad_norm"])
+            engine.lr_scheduler_step()
+        assert (engine.activation_offload is not None) == (name == "sp_offload")
+        assert name == "dp" or engine.activation_offload.packed_tensors > 0
+        adapters = {n: t.tolist() for n, t in export.adapter_named_tensors(engine.module.model)}
+        out[name] = {"norms": norms, "adapters": adapters}
+    return out
+
+
+@pytest.mark.dist
+def test_fsdp2_lora_under_sp_and_activation_offload_trains_as_data_parallel(tmp_path):
+    from forked import shared_server
+
+    path = write_tiny_model(str(tmp_path / "model"))
+    result = shared_server().run(__name__, "fsdp2_lora_sp_offload", 2, path, timeout=180).check()[0]
+    dp, sp = result["dp"], result["sp_offload"]
+    for a, b in zip(dp["norms"], sp["norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    assert dp["adapters"].keys() == sp["adapters"].keys()
+    for name, value in dp["adapters"].items():
+        assert rel_rms(torch.tensor(value), torch.tensor(sp["adapters"][name])) <= 1e-5, name
 
 
 def _model_config(**keys):
