@@ -119,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         backward recomputes and holds one tile at a time. One unit under SP (the all-to-all needs whole
         sequences) and for a batch of rows."""
         tile = self.checkpoint_tile_tokens
-        if not tile:
+        if not tile or not torch.is_grad_enabled():  # nothing is saved without grad
             return self._mix(x, cu_seqlens, cu_seqlens)[0]
         if self.sequence_parallel is not None or x.shape[0] != 1 or x.shape[1] <= tile:
             return checkpoint(self._mix, x, cu_seqlens, cu_seqlens, use_reentrant=False)[0]
