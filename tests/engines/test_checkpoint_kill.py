@@ -204,12 +204,18 @@ def _check(root: str, got: dict) -> None:
 
 
 def _saved(server, model_path: str, root: str, world_size: int, kill_at=None, kill_after=None) -> dict:
-    """One saver run into a fresh `root`: its results when it finished, else {} (it was killed)."""
+    """One saver run into a fresh `root`: its results when every rank finished, else {} (it was killed)."""
     os.makedirs(root)
     outcome = server.run(__name__, "saver", world_size, model_path, root, kill_at, timeout=120, kill_after=kill_after)
     assert not outcome.errors and not outcome.timed_out, outcome
-    assert outcome.killed == (kill_at is not None or kill_after is not None and not outcome.results), outcome
-    return outcome.results
+    finished = len(outcome.results) == world_size
+    if kill_at is not None:
+        assert outcome.killed and not finished, outcome
+    elif kill_after is None:
+        assert not outcome.killed and finished, outcome
+    # after a random delay the kill may also land once the work is done (in the ranks' teardown, or
+    # between the ranks' last writes): what the folder holds is checked against the log either way
+    return outcome.results if finished else {}
 
 
 def _sweep(tmp_path, world_size: int, pick_calls, delays: int = 0) -> None:
