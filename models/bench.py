@@ -159,10 +159,8 @@ def _build_veomni(config, state: dict, device):
 def make_inputs(case: dict, device: torch.device) -> dict:
     """The step's batch and our model; VeOmni's and transformers' models are built from our weights on
     their first `run` (inside the untimed warm-up), so an unselected provider costs nothing."""
-    from torch.distributed._composable import checkpoint
-
     from . import build
-    from .parallelize import OFFLOAD_TILE_TOKENS, checkpoint_in_tiles, decoder_layers, offload_activations
+    from .parallelize import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
 
     _allow_fla_backward_on_hopper()
     torch.manual_seed(0)
@@ -173,11 +171,9 @@ def make_inputs(case: dict, device: torch.device) -> dict:
         units = case.get("checkpoint_units") or ("tiles" if offload is not None else "layer")
         if units not in ("layer", "tiles"):
             raise ValueError(f"checkpoint_units={units!r}: use 'layer' or 'tiles'")
+        tile_tokens = (case.get("tile_tokens") or OFFLOAD_TILE_TOKENS) if units == "tiles" else 0
         for layer in decoder_layers(ours):
-            if units == "tiles":
-                checkpoint_in_tiles(layer, case.get("tile_tokens") or OFFLOAD_TILE_TOKENS)
-            else:
-                checkpoint(layer)
+            checkpoint_decoder_layer(layer, tile_tokens)
     T, N = case["tokens"], case.get("sequences", 1)
     input_ids = torch.randint(0, config.vocab_size, (1, T), device=device)
     bounds = torch.linspace(0, T, N + 1).long().tolist()

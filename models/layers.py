@@ -265,7 +265,7 @@ class MoeBlock(nn.Module):
 
     def _tile(self, flat: torch.Tensor, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """flat: [n, D], the layer's tokens `rows` (None: all) -> (out [n, D], router logits [n, E])."""
-        logits, topk_weight, topk_idx = self.gate(flat) if rows is None else self.gate(flat, rows)
+        logits, topk_weight, topk_idx = self.gate(flat, rows)
         out = self.experts(flat, topk_idx, topk_weight)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

@@ -100,6 +100,15 @@ def checkpoint_in_tiles(layer: nn.Module, tile_tokens: int) -> None:
         activation_checkpoint(layer.mlp)
 
 
+def checkpoint_decoder_layer(layer: nn.Module, tile_tokens: int = 0) -> None:
+    """Activation checkpointing of decoder layer `layer`: around it (tile_tokens 0), or inside it in
+    token tiles (`checkpoint_in_tiles`)."""
+    if tile_tokens:
+        checkpoint_in_tiles(layer, tile_tokens)
+    else:
+        activation_checkpoint(layer)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a MoeCausalLM (`model.layers`) or a MoeVisionLM (`model.language_model.layers`)."""
     inner = model.model
@@ -185,10 +194,8 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> Acti
                     mp_policy=layer_mp,
                     shard_placement_fn=lambda _param: Shard(1),
                 )
-        if plan.activation_checkpointing and plan.checkpoint_tile_tokens:
-            checkpoint_in_tiles(layer, plan.checkpoint_tile_tokens)
-        elif plan.activation_checkpointing:
-            activation_checkpoint(layer)
+        if plan.activation_checkpointing:
+            checkpoint_decoder_layer(layer, plan.checkpoint_tile_tokens)
         fully_shard(layer, mp_policy=layer_mp, **common)
     root_mp = MixedPrecisionPolicy(
         param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False
