@@ -5,7 +5,8 @@ the same weights in one process.
 The reduced model is ENVIRONMENT.md's anchor: hidden 2048, 8 layers (6 GatedDeltaNet + 2 attention),
 64 experts top-8, the real 248,320-token vocabulary, bf16. Cases: one 8192-token sequence, and 16,384
 tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequences); long single sequences
-(32K, 128K, 256K tokens) with activation checkpointing per decoder layer, ours only (`-ckpt`).
+(32K, 128K, 256K tokens) with activation checkpointing per decoder layer, ours only (`-ckpt`); these
+keep their gradients between steps (zeroed in place), so their peak above the inputs is activation memory.
 
 `--offload` (the `offload` option) adds activation offload to ours (`models/activation_offload.py`: each
 decoder layer's saved tensors, its checkpoint units' inputs under checkpointing, go to pinned host memory
@@ -188,6 +189,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
         "max_seqlen": max(e - s for s, e in zip(bounds[:-1], bounds[1:])),
         "packed": N > 1,
         "offload": offload,
+        "keep_grads": bool(case.get("checkpoint")),
     }
 
 
@@ -231,7 +233,9 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
             logits = model(input_ids=ids, position_ids=pos).logits[0, :-1].float()
             loss = -torch.log_softmax(logits, -1).gather(-1, labels[:, None]).mean()
         if mode == "fwd_bwd":
-            model.zero_grad(set_to_none=True)
+            # The -ckpt cases keep their gradients (zeroed in place) as an engine's step does, so their
+            # peak above the weights and gradients is the step's activation memory; the others free them.
+            model.zero_grad(set_to_none=not inputs["keep_grads"])
             loss.backward()
     return [loss.detach()]
 

@@ -28,21 +28,26 @@ def where(frames) -> str:
     return "(outside the repo)"
 
 
-def peak_composition(snapshot) -> tuple[int, dict]:
-    live, total, best, best_live = {}, 0, -1, {}
+def peak_composition(snapshot) -> tuple[int, dict, list[str]]:
+    """(the highest total allocated in the recorded window, what was alive then by site, the last repo
+    sites allocated before it: where in the step the peak is)."""
+    live, total, best, best_live, recent, best_recent = {}, 0, -1, {}, [], []
     for trace in snapshot["device_traces"]:
         for e in trace:
             if e["action"] == "alloc":
-                live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+                site = where(e.get("frames", []))
+                live[e["addr"]] = (e["size"], site)
                 total += e["size"]
+                if site != "(outside the repo)" and (not recent or recent[-1] != site):
+                    recent = (recent + [site])[-6:]
             elif e["action"] in ("free_requested",) and e["addr"] in live:
                 total -= live.pop(e["addr"])[0]
             if total > best:
-                best, best_live = total, dict(live)
+                best, best_live, best_recent = total, dict(live), list(recent)
     groups = defaultdict(int)
     for size, site in best_live.values():
         groups[site] += size
-    return best, dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+    return best, dict(sorted(groups.items(), key=lambda kv: -kv[1])), best_recent
 
 
 def main():
@@ -66,7 +71,7 @@ def main():
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated()
-    replay_peak, groups = peak_composition(snapshot)
+    replay_peak, groups, before_peak = peak_composition(snapshot)
     GiB, T = 1024**3, a.tokens
     print(
         f"T={T} offload={a.offload} units={a.units or 'default'}: before the step {base / GiB:.2f} GiB, "
@@ -76,6 +81,7 @@ def main():
     print(f"alive at the replayed peak ({replay_peak / GiB:.2f} GiB of blocks allocated in the step):")
     for site, size in list(groups.items())[:30]:
         print(f"  {size / GiB:8.3f} GiB {size / T / 1024:8.1f} KiB/token  {site}")
+    print("the last repo allocations before the peak:", " <- ".join(reversed(before_peak)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
@@ -87,6 +93,7 @@ def main():
                     "peak": peak,
                     "replay_peak": replay_peak,
                     "groups": groups,
+                    "before_peak": before_peak,
                 },
                 f,
                 indent=1,

@@ -5,6 +5,9 @@
 #   tiles without offload.
 # PHASE=long (~8 min): tiles alone and 16K tiles with offload at 32K, then 262,144 tokens with and without
 #   offload.
+# PHASE=attn (~4 min): scripts/device/attention_memory.py at 32,768 tokens (the ways to run long causal
+#   GQA attention: time, memory), then what is alive at the 32K peak for per-layer checkpointing and
+#   offload with tiles.
 # PHASE=262k: 262,144 tokens with offload (the engines' tiles) alone, for a call with little time left.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
 # run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
@@ -18,7 +21,12 @@ step() { local name=$1 t=$2 tokens=$3 reps=$4; shift 4
   timeout "$t" python3 -m verl_moe.tools.cli bench model --case "qwen3.5-moe-reduced-L8-T$tokens-ckpt" --provider ours \
     --mode fwd_bwd --reps "$reps" "$@" --json "$OUT/offload_$name.json" 2>&1 \
     | grep -v "^\[" | grep -v "^[┏┃┡└│━]" | grep -v "Warning\|_warn_once" | tail -4 | tee -a "$OUT/offload.txt"; }
-if [ "${PHASE:-32k}" = 32k ]; then
+if [ "${PHASE:-32k}" = attn ]; then
+  timeout 200 python3 scripts/device/attention_memory.py --tokens 32768 --json "$OUT/attention_T32768.json" 2>&1 \
+    | grep -v "Warning\|warn" | tee -a "$OUT/attention.txt"
+  peak 32768 --units layer
+  peak 32768 --offload
+elif [ "$PHASE" = 32k ]; then
   peak 32768 --units layer
   peak 32768 --offload
   peak 32768 --units tiles
