@@ -503,7 +503,10 @@ class RMSNormFunction(torch.autograd.Function):
         g2 = None if gate is None else _as_rows(gate, D)
         r2 = None if residual is None else _as_rows(residual, D)
         y, h, rstd = rms_norm_fwd(x2, weight, g2, r2, opts.eps, opts.unit_offset, x.shape)
-        ctx.save_for_backward(x2 if h is None else h.view(-1, D), weight, g2, rstd)
+        # h is saved as the output itself: autograd keeps a saved output without a reference to this
+        # node, where a view of it (h.view) would close a cycle node -> view -> h -> node that
+        # holds h until backward, also when saved-tensor hooks (activation offload) moved its copy
+        ctx.save_for_backward(x2 if h is None else h, weight, g2, rstd)
         ctx.opts, ctx.shape, ctx.has_res = opts, x.shape, residual is not None
         ctx.set_materialize_grads(False)
         return y if h is None else (y, h)
@@ -511,7 +514,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         xs, weight, g2, rstd = ctx.saved_tensors
-        D = xs.shape[-1]
+        D = ctx.shape[-1]
+        xs = xs.view(-1, D)
         dy2 = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device) if dy is None else dy.reshape(-1, D).contiguous()
         dh2 = None if dh is None else dh.reshape(-1, D).contiguous()
         dx, dgate, dw = rms_norm_bwd(dy2, xs, weight, g2, rstd, dh2, ctx.opts.unit_offset)

@@ -115,6 +115,37 @@ def test_saved_inputs_live_on_the_host():
     assert all(ref() is not None for ref in seen[1]["refs"]), "without offload autograd keeps the layer inputs"
 
 
+def test_fused_norm_residual_sums_leave_the_device(monkeypatch):
+    """Without checkpointing each decoder layer's norms save the residual sum h = x + residual; the
+    fused norm (triton) saves its own output h. Once the offload dropped its device copy nothing else
+    may hold h: the sums made by the offloaded layers are freed by the end of the forward. (The last
+    layer's and the final norm's live on as autograd's saved outputs, without their Python objects.)
+    The fused norm once saved a view of h, which kept h alive until backward: 1.75 GiB at 32K tokens
+    on the H200."""
+    from verl_moe.ops.norm import fused
+
+    sums, kernel = [], fused.rms_norm_fwd
+
+    def spy(*args):
+        y, h, rstd = kernel(*args)
+        if h is not None:
+            sums.append(weakref.ref(h))
+        return y, h, rstd
+
+    monkeypatch.setattr(fused, "rms_norm_fwd", spy)
+    torch.manual_seed(0)
+    config = tiny_qwen3_5_moe_text(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = vm.build(config, device=DEVICE, ops=vm.OpsConfig(norm="triton"))
+    offload_activations(model)
+    decoder_layers(model)[-1].register_forward_pre_hook(lambda m, a: device.synchronize(), prepend=True)
+    loss = _loss(model, 0)
+    gc.collect()
+    alive = [ref() is not None for ref in sums]
+    # layer 0 makes one sum (its input has no residual), layers 1-3 two each, the final norm one
+    assert len(alive) == 8 and not any(alive[:5]), alive
+    loss.backward()
+
+
 def test_layer_selection():
     names = [f"model.layers.{i}" for i in range(4)]
     assert select_layers(names, []) == [0, 1, 2, 3]
