@@ -20,9 +20,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..varlen import host_values
-from .reference import causal_attention_ref, check_attention_inputs
+from ..varlen import host_values, seq_bounds
+from .reference import check_attention_inputs
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # Mean packed length from which CUDA runs one SDPA call per sequence instead (cuDNN's attention, what
@@ -30,6 +32,16 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # fwd+bwd, 16384 tokens: one sequence flash varlen 28.9 ms vs per-sequence SDPA 19.2 ms; 16 sequences
 # 4.9 vs 13.5 ms; 64 sequences 2.1 vs 37.9 ms). The crossover between 1024 and 16384 is not measured.
 LONG_SEQUENCE = 4096
+# The long-sequence SDPA's backend order: cuDNN takes the HKV key/value heads as they are (enable_gqa),
+# as fast as on K/V repeated to H heads, for 0.44 GiB less (fwd+bwd, 32,768 tokens, H16/HKV2/K256 bf16
+# on the H200: 71.2 vs 72.0 ms, +1.32 vs +1.75 GiB; scripts/device/attention_memory.py); flash takes
+# GQA too but is 1.6x slower there; the rest for what both refuse (e.g. cuDNN under deterministic mode).
+LONG_SEQUENCE_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 FLASH_MAX_HEAD_DIM = 256
 NPU_MASK_SIZE = 2048  # npu_fusion_attention's compressed causal mask for sparse_mode 3
 
@@ -71,6 +83,23 @@ class FlashVarlenFunction(torch.autograd.Function):
             do.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, ctx.opts.causal, seed, offset, scale=ctx.opts.scale
         )
         return dq, dk, dv, None, None
+
+
+def per_sequence_sdpa(q, k, v, scale: float, cu_seqlens: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """q [B, T, H, K], k / v [B, T, HKV, K] -> o [B, T, H, K]: one SDPA call per packed sequence
+    (per batch of rows without cu_seqlens), the key/value heads shared by their query groups in the
+    kernel (enable_gqa) rather than repeated. The long-sequence path of `causal_attention_varlen`."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, K] views
+    with sdpa_kernel(LONG_SEQUENCE_BACKENDS, set_priority=True):
+        out = [
+            F.scaled_dot_product_attention(
+                qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=causal, scale=scale, enable_gqa=True
+            )
+            for s, e in seq_bounds(cu_seqlens, q.shape[1])
+            if e > s
+        ]
+    # one sequence: no concatenation copy (SDPA's output is laid out as q, so o is contiguous again)
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).transpose(1, 2)
 
 
 @functools.cache
@@ -152,7 +181,7 @@ def causal_attention_varlen(
         return _npu_varlen(q3, k3, v3, offsets[1:], scale).reshape(B, T, H, K)
     max_len = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     if offsets[-1] >= LONG_SEQUENCE * (len(offsets) - 1):
-        return causal_attention_ref(q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal)
+        return per_sequence_sdpa(q, k, v, scale, cu_seqlens, causal)
     if cu_seqlens is None:  # built on the device: a host tensor's copy would wait for queued work
         cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
     else:

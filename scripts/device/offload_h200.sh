@@ -8,6 +8,9 @@
 # PHASE=attn (~4 min): scripts/device/attention_memory.py at 32,768 tokens (the ways to run long causal
 #   GQA attention: time, memory), then what is alive at the 32K peak for per-layer checkpointing and
 #   offload with tiles.
+# PHASE=verify (~10 min): the GPU attention and norm tests, what is alive at the 32K peak (per-layer
+#   checkpointing; offload with tiles), the timed 32K step for the four unit / offload choices, then
+#   262,144 tokens with offload and tiles, and with per-layer checkpointing alone.
 # PHASE=262k: 262,144 tokens with offload (the engines' tiles) alone, for a call with little time left.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
 # run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
@@ -26,6 +29,17 @@ if [ "${PHASE:-32k}" = attn ]; then
     | grep -v "Warning\|warn" | tee -a "$OUT/attention.txt"
   peak 32768 --units layer
   peak 32768 --offload
+elif [ "$PHASE" = verify ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention.py tests/ops/test_norm.py \
+    2>&1 | tail -4 | tee "$OUT/pytest_gpu.txt"
+  peak 32768 --units layer
+  peak 32768 --offload
+  step T32768_layer 150 32768 5
+  step T32768_offload_tiles 150 32768 5 --offload
+  step T32768_tiles 150 32768 5 --checkpoint-units tiles
+  step T32768_offload_layer 150 32768 5 --offload --checkpoint-units layer
+  step T262144_offload_tiles 200 262144 1 --offload
+  step T262144_layer 200 262144 1
 elif [ "$PHASE" = 32k ]; then
   peak 32768 --units layer
   peak 32768 --offload

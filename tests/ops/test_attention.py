@@ -126,6 +126,28 @@ def test_varlen_refused_off_accelerator_and_not_the_cpu_default():
         assert resolve("attention") is resolve("attention", "torch")
 
 
+def test_long_sequence_path_matches_formula_with_shared_kv_heads():
+    """The varlen op's path for long sequences (`per_sequence_sdpa`: SDPA per sequence, key/value heads
+    not repeated) on CPU's SDPA in fp64: packed rows with an empty sequence, and a batch of rows."""
+    from verl_moe.ops.attention.varlen import per_sequence_sdpa
+
+    q, k, v, cu = packed(WITH_EMPTY, torch.float64, dev="cpu")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = per_sequence_sdpa(*leaves, 0.3, cu, True)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = formula(*ref_leaves, WITH_EMPTY, scale=0.3)
+    assert_rel_rms("o", ref, out, 1e-12)
+    dy = torch.randn_like(ref)
+    (out * dy).sum().backward()
+    (ref * dy).sum().backward()
+    for name, a, b in zip(("dq", "dk", "dv"), ref_leaves, leaves):
+        assert_rel_rms(name, a.grad, b.grad, 1e-12)
+    rows = [t.reshape(2, 6, *t.shape[2:]) for t in packed([12], torch.float64, dev="cpu")[:3]]
+    out = per_sequence_sdpa(*rows, 0.3, None, True)
+    for b in range(2):
+        assert_rel_rms(f"row {b}", formula(*(t[b : b + 1] for t in rows), [6], scale=0.3), out[b : b + 1], 1e-12)
+
+
 def run_with_grads(impl, q, k, v, cu, dy, strided=False):
     """o and (dq, dk, dv) of sum(o * dy); strided: q is read as the first half of a [1, T, H, 2K]
     leaf (the model's q/gate split)."""
@@ -178,6 +200,12 @@ def test_gpu_varlen_batch_rows_deterministic_and_refuses_fp32():
     assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     with pytest.raises(ValueError, match="float16/bfloat16"):
         causal_attention(q.float(), k.float(), v.float(), cu_seqlens=cu, impl="varlen")
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_long_sequences_match_formula():
+    """Mean length >= LONG_SEQUENCE: the per-sequence SDPA path with shared key/value heads."""
+    check_gpu("varlen", [5000, 0, 4200], strided=True)
 
 
 @pytest.mark.gpu
