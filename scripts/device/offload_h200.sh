@@ -11,7 +11,8 @@
 # PHASE=verify (~10 min): the GPU attention and norm tests, what is alive at the 32K peak (per-layer
 #   checkpointing; offload with tiles), the timed 32K step for the four unit / offload choices, then
 #   262,144 tokens with offload and tiles, and with per-layer checkpointing alone.
-# PHASE=262k: 262,144 tokens with offload (the engines' tiles) alone, for a call with little time left.
+# PHASE=262k (~7 min): 262,144 tokens with offload (the engines' tiles), then with per-layer checkpointing
+#   alone; a second timed 32K step of per-layer checkpointing and of offload with tiles.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
 # run(command="cd .base && PHASE=32k bash scripts/device/offload_h200.sh", carry=[".base", ".whl"])
 set -o pipefail
@@ -49,7 +50,10 @@ elif [ "$PHASE" = 32k ]; then
   step T32768_offload_layer 100 32768 5 --offload --checkpoint-units layer
   step T32768_tiles 100 32768 5 --checkpoint-units tiles
 elif [ "$PHASE" = 262k ]; then
-  step T262144_offload_tiles 280 262144 1 --offload
+  step T262144_offload_tiles 200 262144 1 --offload
+  step T262144_layer 200 262144 1
+  step T32768_layer_run2 120 32768 5
+  step T32768_offload_tiles_run2 120 32768 5 --offload
 else
   step T32768_tiles 100 32768 5 --checkpoint-units tiles
   step T32768_offload_tiles16k 100 32768 5 --offload --tile-tokens 16384
