@@ -192,7 +192,10 @@ class ActivationOffload:
             and tensor.device.type == self._device_type
             and tensor.numel() > 0
             and tensor.numel() * tensor.element_size() >= self.min_bytes
-            and not (tensor.requires_grad and tensor.is_leaf)
+            # a leaf that requires grad is the caller's (held anyway); a view made without grad inside a
+            # custom Function's forward of what became its output also reads as such a leaf: its _base
+            # tells it apart
+            and not (tensor.requires_grad and tensor.is_leaf and tensor._base is None)
             and not isinstance(tensor._base, nn.Parameter)  # a view of a weight (a transpose, an expert's slice)
             and tensor.untyped_storage().data_ptr() not in params
         )

@@ -503,9 +503,9 @@ class RMSNormFunction(torch.autograd.Function):
         g2 = None if gate is None else _as_rows(gate, D)
         r2 = None if residual is None else _as_rows(residual, D)
         y, h, rstd = rms_norm_fwd(x2, weight, g2, r2, opts.eps, opts.unit_offset, x.shape)
-        # h is saved as the output itself: autograd keeps a saved output without a reference to this
-        # node, where a view of it (h.view) would close a cycle node -> view -> h -> node that
-        # holds h until backward, also when saved-tensor hooks (activation offload) moved its copy
+        # h is saved as the output itself (backward views it as rows): a view made here reads as a leaf
+        # that requires grad once h is an output, which activation offload took for the caller's own
+        # tensor and left on the device (1.75 GiB at 32K tokens with tiles on the H200)
         ctx.save_for_backward(x2 if h is None else h, weight, g2, rstd)
         ctx.opts, ctx.shape, ctx.has_res = opts, x.shape, residual is not None
         ctx.set_materialize_grads(False)

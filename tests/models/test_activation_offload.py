@@ -16,6 +16,7 @@ import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
+from torch import nn
 from torch.distributed._composable import checkpoint
 from verl_moe.models.activation_offload import ActivationOffload, select_layers
 from verl_moe.models.parallelize import decoder_layers, offload_activations
@@ -120,8 +121,8 @@ def test_fused_norm_residual_sums_leave_the_device(monkeypatch):
     fused norm (triton) saves its own output h. Once the offload dropped its device copy nothing else
     may hold h: the sums made by the offloaded layers are freed by the end of the forward. (The last
     layer's and the final norm's live on as autograd's saved outputs, without their Python objects.)
-    The fused norm once saved a view of h, which kept h alive until backward: 1.75 GiB at 32K tokens
-    on the H200."""
+    The fused norm once saved a view of h, which the offload took for a leaf of the caller's and kept
+    on the device: 1.75 GiB at 32K tokens on the H200."""
     from verl_moe.ops.norm import fused
 
     sums, kernel = [], fused.rms_norm_fwd
@@ -144,6 +145,40 @@ def test_fused_norm_residual_sums_leave_the_device(monkeypatch):
     # layer 0 makes one sum (its input has no residual), layers 1-3 two each, the final norm one
     assert len(alive) == 8 and not any(alive[:5]), alive
     loss.backward()
+
+
+class _SavesViewOfOutput(torch.autograd.Function):
+    """out = 2 x, saving a view of out made inside forward (without grad), as some kernels' wrappers do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x * 2
+        ctx.save_for_backward(out.view(-1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flat,) = ctx.saved_tensors
+        return grad * 2 + 0 * flat.view(grad.shape)
+
+
+def test_a_saved_view_of_an_output_is_offloaded():
+    """Such a view reads as a leaf that requires grad; the offload must still move it (and free the
+    output on the device), telling it from the caller's own leaves by its base."""
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            return _SavesViewOfOutput.apply(x)
+
+    layers = [Layer(), Layer()]
+    handle = ActivationOffload(layers)
+    x = torch.randn(3, 4, device=DEVICE, requires_grad=True)
+    out = layers[1](layers[0](x) + 0)
+    device.synchronize()
+    held = handle.held(0)
+    assert len(held) == 1 and torch.equal(held[0], (x * 2).detach().view(-1)) and handle.on_device(0) == 0
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 4.0))
 
 
 def test_layer_selection():
