@@ -11,6 +11,8 @@
 # PHASE=verify (~10 min): the GPU attention and norm tests, what is alive at the 32K peak (per-layer
 #   checkpointing; offload with tiles), the timed 32K step for the four unit / offload choices, then
 #   262,144 tokens with offload and tiles, and with per-layer checkpointing alone.
+# PHASE=final (~4 min): the GPU tile / offload tests, then a third timed 32K pair (offload with tiles,
+#   per-layer checkpointing).
 # PHASE=262k (~7 min): 262,144 tokens with offload (the engines' tiles), then with per-layer checkpointing
 #   alone; a second timed 32K step of per-layer checkpointing and of offload with tiles.
 # Each case runs in its own process, so an out-of-memory case leaves the others' reports.
@@ -30,6 +32,11 @@ if [ "${PHASE:-32k}" = attn ]; then
     | grep -v "Warning\|warn" | tee -a "$OUT/attention.txt"
   peak 32768 --units layer
   peak 32768 --offload
+elif [ "$PHASE" = final ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_checkpoint_tiles.py \
+    tests/models/test_activation_offload.py 2>&1 | tail -4 | tee "$OUT/pytest_gpu.txt"
+  step T32768_offload_tiles_run3 120 32768 5 --offload
+  step T32768_layer_run3 120 32768 5
 elif [ "$PHASE" = verify ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention.py tests/ops/test_norm.py \
     2>&1 | tail -4 | tee "$OUT/pytest_gpu.txt"
