@@ -504,8 +504,7 @@ class RMSNormFunction(torch.autograd.Function):
         r2 = None if residual is None else _as_rows(residual, D)
         y, h, rstd = rms_norm_fwd(x2, weight, g2, r2, opts.eps, opts.unit_offset, x.shape)
         # h is saved as the output itself (backward views it as rows): a view made here reads as a leaf
-        # that requires grad once h is an output, which activation offload took for the caller's own
-        # tensor and left on the device (1.75 GiB at 32K tokens with tiles on the H200)
+        # that requires grad once h is an output (activation offload tells such views apart by _base)
         ctx.save_for_backward(x2 if h is None else h, weight, g2, rstd)
         ctx.opts, ctx.shape, ctx.has_res = opts, x.shape, residual is not None
         ctx.set_materialize_grads(False)

@@ -31,17 +31,18 @@ def repeat_sdpa(q, k, v):
     ).transpose(1, 2)  # fmt: skip
 
 
-def _forced(backend, fn, *args):
-    with sdpa_kernel([backend]):
-        return fn(*args)
+def gqa_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
 
 
-def gqa_sdpa(backend):
-    def run(q, k, v):
+def forced(backend, fn):
+    """fn with SDPA restricted to `backend`."""
+
+    def run(*args):
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            ).transpose(1, 2)
+            return fn(*args)
 
     return run
 
@@ -73,17 +74,13 @@ def flash(q, k, v):
     return FlashTail.apply(q[0], k[0], v[0])[None]
 
 
-def tile_bias(backend):
-    def run(q, k, v):
-        g = H // HKV
-        bias = causal_lower_right(q.shape[1], k.shape[1])
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2),
-                v.repeat_interleave(g, 2).transpose(1, 2), attn_mask=bias,
-            ).transpose(1, 2)  # fmt: skip
-
-    return run
+def tile_bias(q, k, v):
+    """q the last q.shape[1] of the keys' positions: K/V repeated, a lower-right causal bias."""
+    g = H // HKV
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2),
+        v.repeat_interleave(g, 2).transpose(1, 2), attn_mask=causal_lower_right(q.shape[1], k.shape[1]),
+    ).transpose(1, 2)  # fmt: skip
 
 
 def measure(fn, q, k, v, backward=True):
@@ -123,15 +120,20 @@ def main():
     rows, ref = [], None
     cases = [
         ("repeat + sdpa (default backend)", repeat_sdpa, True, False),
-        ("repeat + sdpa cudnn", lambda q, k, v: _forced(SDPBackend.CUDNN_ATTENTION, repeat_sdpa, q, k, v), True, False),
-        ("gqa sdpa cudnn", gqa_sdpa(SDPBackend.CUDNN_ATTENTION), True, False),
-        ("gqa sdpa flash", gqa_sdpa(SDPBackend.FLASH_ATTENTION), True, False),
-        ("gqa sdpa efficient", gqa_sdpa(SDPBackend.EFFICIENT_ATTENTION), True, False),
+        ("repeat + sdpa cudnn", forced(SDPBackend.CUDNN_ATTENTION, repeat_sdpa), True, False),
+        ("gqa sdpa cudnn", forced(SDPBackend.CUDNN_ATTENTION, gqa_sdpa), True, False),
+        ("gqa sdpa flash", forced(SDPBackend.FLASH_ATTENTION, gqa_sdpa), True, False),
+        ("gqa sdpa efficient", forced(SDPBackend.EFFICIENT_ATTENTION, gqa_sdpa), True, False),
         ("flash varlen", flash, True, False),
         ("tile: last half of q, flash varlen", flash, True, True),
-        ("tile: last half of q, lower-right bias cudnn", tile_bias(SDPBackend.CUDNN_ATTENTION), True, True),
-        ("tile: last half of q, lower-right bias efficient", tile_bias(SDPBackend.EFFICIENT_ATTENTION), True, True),
-        ("tile: last half of q, lower-right bias flash", tile_bias(SDPBackend.FLASH_ATTENTION), True, True),
+        ("tile: last half of q, lower-right bias cudnn", forced(SDPBackend.CUDNN_ATTENTION, tile_bias), True, True),
+        (
+            "tile: last half of q, lower-right bias efficient",
+            forced(SDPBackend.EFFICIENT_ATTENTION, tile_bias),
+            True,
+            True,
+        ),
+        ("tile: last half of q, lower-right bias flash", forced(SDPBackend.FLASH_ATTENTION, tile_bias), True, True),
     ]
     for name, fn, backward, tile in cases:
         qq = q[:, T // 2 :].detach().requires_grad_() if tile else q
