@@ -3,9 +3,14 @@
 `ActivationOffload(layers)` puts a pair of `torch.autograd.graph.saved_tensors_hooks` around the forward of
 each offloaded decoder layer (module hooks, nothing patched), keyed by the layer:
 
-- pack (forward): a saved tensor on the compute device that is not a parameter (nor a view of one) is copied
-  into a new host buffer (pinned on cuda / npu) on a side stream, once an event says the compute stream
-  produced it; autograd keeps a handle instead of the tensor. Under per-layer activation checkpointing
+- pack (forward): a saved tensor on the compute device that is not a parameter (nor a view of one) has its
+  whole storage copied into a new host buffer (pinned on cuda / npu) on a side stream, once an event says the
+  compute stream produced it; autograd keeps a handle (the storage's block plus the tensor's offset, sizes and
+  strides) instead of the tensor. Tensors of one storage saved by one layer share one copy. Backward gets
+  each tensor back with its original geometry in a storage of the original's size, so every backward kernel
+  sees the layouts (strides, alignment) it sees without offload and runs the same operations: gradients are
+  bitwise those without offload. (A compact copy changed strides, and CPU GEMMs pick their blocking by
+  layout: the sums differed in the last bit on some CPUs.) Under per-layer activation checkpointing
   (`torch.distributed._composable.checkpoint`, applied before or after this) the tensors saved at a layer
   are its inputs, since the checkpoint's own hooks sit inside ours and keep nothing: the host then holds
   every layer's inputs and the device one layer's recompute. Without checkpointing the host holds
@@ -40,25 +45,26 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..ops import device
 
-# _Saved.state
-_ON_DEVICE_AND_HOST = "copying"  # the original device tensor is still held; its copy to the host was issued
-_ON_HOST = "host"  # the device tensor was dropped
+# _Block.state
+_ON_DEVICE_AND_HOST = "copying"  # the original device storage is still held; its copy to the host was issued
+_ON_HOST = "host"  # the device storage was dropped
 _BACK = "back"  # on the device again (restored or never dropped) for backward
 
 
-class _Saved:
-    """What autograd holds instead of one offloaded tensor. tensor: the device tensor (the original until
-    dropped, then the restored copy) or None; host: the host copy until released; copied: the event of
-    the last copy that touched `host`; ready: the event the compute stream waits on before using `tensor`."""
+class _Block:
+    """One offloaded device storage. storage: the device storage (the original until dropped, then the
+    restored copy) or None; host: its bytes on the host ([nbytes] uint8) until released; copied: the event of
+    the last copy that touched `host`; ready: the event the compute stream waits on before using `storage`."""
 
-    __slots__ = ("owner", "pass_", "pos", "device", "tensor", "host", "copied", "ready", "state", "__weakref__")
+    __slots__ = ("owner", "pass_", "pos", "device", "storage", "host", "copied", "ready", "state", "__weakref__")
 
-    def __init__(self, owner, pass_, pos, tensor, host, copied):
-        self.owner, self.pass_, self.pos, self.device = owner, pass_, pos, tensor.device
-        self.tensor, self.host, self.copied, self.ready = tensor, host, copied, None
+    def __init__(self, owner, pass_, pos, device, storage, host, copied):
+        self.owner, self.pass_, self.pos, self.device = owner, pass_, pos, device
+        self.storage, self.host, self.copied, self.ready = storage, host, copied, None
         self.state = _ON_DEVICE_AND_HOST
 
     def __del__(self):
@@ -69,15 +75,31 @@ class _Saved:
             self.host = None
 
 
+class _Saved:
+    """What autograd holds instead of one offloaded tensor: its block and where the tensor sits in it."""
+
+    __slots__ = ("block", "dtype", "offset", "size", "stride", "__weakref__")
+
+    def __init__(self, block: _Block, tensor: torch.Tensor):
+        self.block, self.dtype = block, tensor.dtype
+        self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
+
+    def view(self, storage, device) -> torch.Tensor:
+        """The tensor over `storage` (the block's device storage or its host bytes), original geometry."""
+        return torch.empty(0, dtype=self.dtype, device=device).set_(storage, self.offset, self.size, self.stride)
+
+
 class _Pass:
     """One forward's handles, by offloaded-layer position (weak: autograd owns them)."""
 
     def __init__(self):
-        self.saved: dict[int, list[weakref.ref]] = {}
-        self.copying: list[weakref.ref] = []  # handles still holding their original device tensor
+        self.saved: dict[int, list[weakref.ref]] = {}  # position -> weak _Saved handles, in packing order
+        self.blocks: dict[int, list[weakref.ref]] = {}  # position -> weak _Blocks
+        self.copying: list[weakref.ref] = []  # blocks still holding their original device storage
         self.started: set[int] = set()  # positions whose backward began (their first unpack)
-        # id(tensor) -> (weak tensor, weak handle, position): a tensor saved again (cos / sin go to every layer)
-        self.seen: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+        # storage -> (weak block, position): a storage saved again (cos / sin go to every layer; q, k, v are
+        # views of one projection)
+        self.seen: dict[StorageWeakRef, tuple[StorageWeakRef, weakref.ref, int]] = {}
 
 
 class ActivationOffload:
@@ -86,8 +108,8 @@ class ActivationOffload:
     layers copied back ahead of the one whose backward runs. `min_bytes`: smaller tensors stay on the device.
     Attach before `fully_shard` (its pre-forward hook, which unshards the parameters, must run before ours).
 
-    Counters: `packed_tensors` / `packed_bytes` (since construction), `host_bytes` (host buffers alive now)
-    and `peak_host_bytes`. Raises ValueError on a bad index or a negative prefetch depth.
+    Counters: `packed_tensors` / `packed_bytes` (since construction; bytes of the storages copied),
+    `host_bytes` (host buffers alive now) and `peak_host_bytes`. Raises ValueError on a bad index or a negative prefetch depth.
     """
 
     def __init__(
@@ -116,7 +138,7 @@ class ActivationOffload:
         self._pass: _Pass | None = None
         self._active: list[tuple[nn.Module, saved_tensors_hooks]] = []
         self._retiring: list[tuple[object, torch.Tensor]] = []
-        # _retire also runs from _Saved.__del__ (autograd's thread, or a GC pass inside a locked section)
+        # _retire also runs from _Block.__del__ (autograd's thread, or a GC pass inside a locked section)
         self._lock = threading.RLock()
         for i, layer in enumerate(layers):
             # a layer's start drops earlier layers' device copies (also at the last layer, which keeps its own)
@@ -135,14 +157,15 @@ class ActivationOffload:
         if self._pass is None or layer_index not in self.layer_indices:
             return []
         refs = self._pass.saved.get(self.layer_indices.index(layer_index), [])
-        return [s.host for s in (r() for r in refs) if s is not None and s.host is not None]
+        handles = [s for s in (r() for r in refs) if s is not None and s.block.host is not None]
+        return [s.view(s.block.host.untyped_storage(), "cpu") for s in handles]
 
     def on_device(self, layer_index: int) -> int:
         """How many of decoder layer `layer_index`'s offloaded tensors the latest forward holds on the device."""
         if self._pass is None or layer_index not in self.layer_indices:
             return 0
         refs = self._pass.saved.get(self.layer_indices.index(layer_index), [])
-        return sum(1 for s in (r() for r in refs) if s is not None and s.tensor is not None)
+        return sum(1 for s in (r() for r in refs) if s is not None and s.block.storage is not None)
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -208,31 +231,40 @@ class ActivationOffload:
     def _pack(self, pass_: _Pass, pos: int, params: set, tensor):
         if not self._offloadable(tensor, params):
             return tensor
-        seen = pass_.seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor:
-            # saved before in this forward: by this layer, share its handle; by an earlier one, the tensor lives
-            # on the device anyway (whoever saved it first copied it), so a second copy would free nothing
-            handle = seen[1]() if seen[2] == pos else None
-            return handle if handle is not None and handle.state == _ON_DEVICE_AND_HOST else tensor
+        storage = tensor.untyped_storage()
+        key = StorageWeakRef(storage)
+        seen = pass_.seen.get(key)
+        if seen is not None and not seen[0].expired():
+            # saved before in this forward: by this layer, share its copy; by an earlier one, the storage lives
+            # on the device anyway (this tensor holds it), so a second copy would free nothing
+            block = seen[1]() if seen[2] == pos else None
+            if block is None or block.state != _ON_DEVICE_AND_HOST:
+                return tensor
+            return self._handle(pass_, pos, block, tensor)
         mod, side = self._mod, self._side_stream()
         produced = mod.Event()
         produced.record(mod.current_stream())
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self._pin)
         side.wait_event(produced)
         with mod.stream(side):
-            host.copy_(tensor, non_blocking=self._pin)
+            host.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage), non_blocking=self._pin)
         copied = mod.Event()
         copied.record(side)
-        saved = _Saved(self, pass_, pos, tensor, host, copied)
-        pass_.seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(saved), pos)
+        block = _Block(self, pass_, pos, tensor.device, storage, host, copied)
+        pass_.seen[key] = (key, weakref.ref(block), pos)
+        pass_.blocks.setdefault(pos, []).append(weakref.ref(block))
+        pass_.copying.append(weakref.ref(block))
+        with self._lock:
+            self.packed_bytes += host.numel()
+            self.host_bytes += host.numel()
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return self._handle(pass_, pos, block, tensor)
+
+    def _handle(self, pass_: _Pass, pos: int, block: _Block, tensor) -> _Saved:
+        saved = _Saved(block, tensor)
         pass_.saved.setdefault(pos, []).append(weakref.ref(saved))
-        pass_.copying.append(weakref.ref(saved))
-        nbytes = host.numel() * host.element_size()
         with self._lock:
             self.packed_tensors += 1
-            self.packed_bytes += nbytes
-            self.host_bytes += nbytes
-            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return saved
 
     def _drop_device_copies(self, pass_: _Pass, pos: int) -> None:
@@ -240,60 +272,61 @@ class ActivationOffload:
         is done, and of layers two or more positions back after the compute stream waits for their copy."""
         still = []
         for ref in pass_.copying:
-            saved = ref()
-            if saved is None or saved.state != _ON_DEVICE_AND_HOST:
+            block = ref()
+            if block is None or block.state != _ON_DEVICE_AND_HOST:
                 continue
-            if saved.pos < pos and saved.copied.query():
-                saved.tensor = None
-            elif saved.pos <= pos - 2:
-                self._mod.current_stream().wait_event(saved.copied)
-                saved.tensor = None
+            if block.pos < pos and block.copied.query():
+                block.storage = None
+            elif block.pos <= pos - 2:
+                self._mod.current_stream().wait_event(block.copied)
+                block.storage = None
             else:
                 still.append(ref)
                 continue
-            saved.state = _ON_HOST
+            block.state = _ON_HOST
         pass_.copying = still
 
     # ---- backward ------------------------------------------------------------------------------
 
     def _restore(self, saved: _Saved) -> torch.Tensor:
-        pass_ = saved.pass_
-        if saved.pos not in pass_.started:
-            pass_.started.add(saved.pos)
+        block = saved.block
+        pass_ = block.pass_
+        if block.pos not in pass_.started:
+            pass_.started.add(block.pos)
             # this layer's tensors first (stream order), then the next layers backward reaches
-            for pos in range(saved.pos, saved.pos - self.prefetch_layers - 1, -1):
+            for pos in range(block.pos, block.pos - self.prefetch_layers - 1, -1):
                 self._fetch_layer(pass_, pos)
             self._sweep()
-        if saved.state == _ON_HOST:  # packed after its layer's first unpack (not expected): fetch it now
-            self._fetch(saved)
-        if saved.ready is not None:
-            self._mod.current_stream().wait_event(saved.ready)
-            saved.ready = None
-        saved.state = _BACK
-        if saved.host is not None:
-            self._retire(saved.copied, saved.host)
-            saved.host = None
-        return saved.tensor
+        if block.state == _ON_HOST:  # packed after its layer's first unpack (not expected): fetch it now
+            self._fetch(block)
+        if block.ready is not None:
+            self._mod.current_stream().wait_event(block.ready)
+            block.ready = None
+        block.state = _BACK
+        if block.host is not None:
+            self._retire(block.copied, block.host)
+            block.host = None
+        return saved.view(block.storage, block.device)
 
     def _fetch_layer(self, pass_: _Pass, pos: int) -> None:
-        for ref in pass_.saved.get(pos, []):
-            saved = ref()
-            if saved is not None and saved.state == _ON_HOST:
-                self._fetch(saved)
+        for ref in pass_.blocks.get(pos, []):
+            block = ref()
+            if block is not None and block.state == _ON_HOST:
+                self._fetch(block)
 
-    def _fetch(self, saved: _Saved) -> None:
-        """Copy `saved.host` back on the side stream into memory allocated on the compute stream."""
+    def _fetch(self, block: _Block) -> None:
+        """Copy `block.host` back on the side stream into memory allocated on the compute stream."""
         mod, side = self._mod, self._side_stream()
         compute = mod.current_stream()
-        buffer = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
+        buffer = torch.empty(block.host.shape, dtype=torch.uint8, device=block.device)
         allocated = mod.Event()
         allocated.record(compute)  # the block may come from compute work still running
         side.wait_event(allocated)
         with mod.stream(side):
-            buffer.copy_(saved.host, non_blocking=self._pin)
+            buffer.copy_(block.host, non_blocking=self._pin)
         copied = mod.Event()
         copied.record(side)
-        saved.tensor, saved.copied, saved.ready, saved.state = buffer, copied, copied, _BACK
+        block.storage, block.copied, block.ready, block.state = buffer.untyped_storage(), copied, copied, _BACK
 
     # ---- host buffers --------------------------------------------------------------------------
 
@@ -308,7 +341,7 @@ class ActivationOffload:
         keep, freed = [], 0
         for event, host in pending:
             if event.query():
-                freed += host.numel() * host.element_size()
+                freed += host.numel()
             else:
                 keep.append((event, host))
         del pending
@@ -318,7 +351,7 @@ class ActivationOffload:
 
 
 def _unpack(saved):
-    return saved if isinstance(saved, torch.Tensor) else saved.owner._restore(saved)
+    return saved if isinstance(saved, torch.Tensor) else saved.block.owner._restore(saved)
 
 
 def _recomputing(module: nn.Module) -> bool:

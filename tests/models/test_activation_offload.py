@@ -1,6 +1,7 @@
 """Activation offload (`models/activation_offload.py`) on the tiny Qwen3.5-MoE, CPU, fp32.
 
-Tolerance: none. Offload copies saved tensors out and back bit for bit, so every gradient must equal the
+Tolerance: none. Offload copies saved storages out and back bit for bit and hands backward each tensor with its
+original sizes, strides and offset, so backward runs the same operations and every gradient must equal the
 run without offload exactly (with and without per-layer checkpointing, over two graphs alive at once).
 The host test watches what the hooks packed: per offloaded layer, host copies of exactly the layer's
 tensor inputs (distinct storage, pinned on an accelerator) while the device inputs themselves are freed;
@@ -91,7 +92,7 @@ def test_saved_inputs_live_on_the_host():
     loss = _loss(model, 0)
     gc.collect()
     n = len(seen)
-    total = 0
+    storages = {}  # host copies are whole storages, shared by the tensors saved in one
     for i in range(n - 1):
         held = handle.held(i)
         # checkpointing saves nothing inside the layer: the hooks packed exactly its tensor inputs (those an
@@ -101,10 +102,10 @@ def test_saved_inputs_live_on_the_host():
             assert torch.equal(host, value), i
             assert host.untyped_storage().data_ptr() not in seen[i]["storages"], i
             assert host.device.type == "cpu" and host.is_pinned() == device.is_accelerator(), i
-            total += host.numel() * host.element_size()
+            storages[host.untyped_storage().data_ptr()] = host.untyped_storage().nbytes()
         # the device inputs are gone: autograd holds the host copies only
         assert all(ref() is None for ref in seen[i]["refs"]), i
-    assert total == handle.packed_bytes == handle.host_bytes
+    assert sum(storages.values()) == handle.packed_bytes == handle.host_bytes
     assert handle.held(n - 1) == [] and any(ref() is not None for ref in seen[n - 1]["refs"])
     loss.backward()
     assert all(handle.held(i) == [] for i in range(n))
@@ -181,6 +182,50 @@ def test_a_saved_view_of_an_output_is_offloaded():
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
 
 
+class _SavesStridedViews(torch.autograd.Function):
+    """Saves a transposed slice and a column slice of one buffer; backward records what it got back."""
+
+    got = []
+
+    @staticmethod
+    def forward(ctx, x):
+        buffer = torch.cat([x, x * 3], dim=-1)  # [T, 2D]: both saved views live in this storage
+        ctx.save_for_backward(buffer[1:, : x.shape[-1]].t(), buffer[:, 1::2])
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SavesStridedViews.got = [
+            (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.clone()) for t in ctx.saved_tensors
+        ]
+        return grad * 2
+
+
+def test_restored_tensors_keep_their_geometry():
+    """Backward gets each saved tensor back with the sizes, strides and storage offset it had, in one storage
+    of the original's size that both views share: backward kernels see the same layouts as without offload
+    (what makes the gradients bitwise equal by construction), and the storage crosses once."""
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            return _SavesStridedViews.apply(x)
+
+    layers = [Layer(), Layer()]
+    handle = ActivationOffload(layers)
+    x = torch.randn(5, 4, device=DEVICE, requires_grad=True)
+    buffer = torch.cat([x, x * 3], dim=-1).detach()
+    want = [buffer[1:, :4].t(), buffer[:, 1::2]]
+    out = layers[1](layers[0](x) + 0)
+    device.synchronize()
+    held = handle.held(0)
+    assert len(held) == 2 and handle.on_device(0) == 0
+    assert len({h.untyped_storage().data_ptr() for h in held}) == 1 and handle.packed_bytes == buffer.nbytes
+    out.sum().backward()
+    for (shape, stride, offset, nbytes, value), w in zip(_SavesStridedViews.got, want, strict=True):
+        assert (shape, stride, offset, nbytes) == (w.shape, w.stride(), w.storage_offset(), buffer.nbytes)
+        assert torch.equal(value, w)
+
+
 def test_layer_selection():
     names = [f"model.layers.{i}" for i in range(4)]
     assert select_layers(names, []) == [0, 1, 2, 3]
@@ -214,8 +259,8 @@ def test_copies_back_are_issued_ahead_of_each_layer_backward(prefetch_layers):
     model, handle = _model(checkpointing=True, offload=True, prefetch_layers=prefetch_layers)
     events = []
     fetch, restore = handle._fetch, handle._restore
-    handle._fetch = lambda saved: (events.append(("fetch", saved.pos)), fetch(saved))[1]
-    handle._restore = lambda saved: (events.append(("unpack", saved.pos)), restore(saved))[1]
+    handle._fetch = lambda block: (events.append(("fetch", block.pos)), fetch(block))[1]
+    handle._restore = lambda saved: (events.append(("unpack", saved.block.pos)), restore(saved))[1]
     _loss(model, 0).backward()
     for pos in range(len(handle.layer_indices)):
         first_fetch, first_unpack = events.index(("fetch", pos)), events.index(("unpack", pos))
