@@ -29,6 +29,9 @@ tables: the replica through the public `RolloutReplicaRegistry.register`, the pe
 one entry `("verl_moe", "async")` of `verl.workers.rollout.base._ROLLOUT_REGISTRY`, which has no
 register function (see `register_rollout`). It adds a name and replaces nothing, so it does not
 depend on `VERL_MOE_OVERRIDE`.
+
+Two more of verl's tables keyed by HF model type get our types (`register_model_tables`): the FLOPs
+count behind `perf/mfu/actor` and the agent loop's Continuous Token builder family.
 """
 
 from __future__ import annotations
@@ -122,10 +125,44 @@ def register_rollout() -> None:
     _registered.add("rollout")
 
 
+# A model type verl's Continuous Token table lacks -> the type whose tokenizer and chat template it
+# shares (a text-only checkpoint of the vision-language model).
+CONTINUOUS_TOKEN_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def register_model_tables() -> None:
+    """Our model types in two of verl's tables keyed by HF model type (plain dicts upstream):
+
+    - `flops_counter.ESTIMATE_FUNC`: `models/flops.py`'s count, so `perf/mfu/actor` is real (verl
+      logs "MFU will always be zero" for qwen3_5_moe_text). verl's own qwen3_moe / qwen3_5_moe
+      entries count the input embedding as a matrix product (0.5 B of Qwen3.5-35B-A3B's 3 B active
+      weights) and Qwen3-MoE's dense layers as MoE: ours replace them while our engines serve these
+      types; with `VERL_MOE_OVERRIDE=0` only the types verl lacks are added.
+    - the Continuous Token builder families (`CONTINUOUS_TOKEN_ALIASES`): without an entry verl
+      warns once per agent-loop request and falls back to its generic builder.
+    """
+    if "model_tables" in _registered:
+        return
+    from verl.utils import flops_counter
+    from verl.utils.tokenizer import continuous_token_wiring as ct
+    from verl_moe.models.flops import estimate_tflops
+    from verl_moe.models.registry import SPECS
+
+    replace = override_enabled()
+    for model_type in SPECS:
+        if replace or model_type not in flops_counter.ESTIMATE_FUNC:
+            flops_counter.ESTIMATE_FUNC[model_type] = estimate_tflops
+    families = ct._MODEL_TYPE_TO_FAMILY
+    for model_type, same_as in CONTINUOUS_TOKEN_ALIASES.items():
+        families.setdefault(model_type, families[same_as])
+    _registered.add("model_tables")
+
+
 def register_all() -> None:
     """Platform first: importing verl's engine package resolves verl's platform once, for good."""
     register_platform()
     register_engines()
+    register_model_tables()
     register_rollout()
 
 

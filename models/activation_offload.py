@@ -109,7 +109,8 @@ class ActivationOffload:
     Attach before `fully_shard` (its pre-forward hook, which unshards the parameters, must run before ours).
 
     Counters: `packed_tensors` / `packed_bytes` (since construction; bytes of the storages copied),
-    `host_bytes` (host buffers alive now) and `peak_host_bytes`. Raises ValueError on a bad index or a negative prefetch depth.
+    `host_bytes` (host buffers alive now) and `peak_host_bytes`. Raises ValueError on a bad index or a
+    negative prefetch depth.
     """
 
     def __init__(

@@ -22,8 +22,9 @@ Providers:
   it; packed sequences through `cu_seq_lens_q/k`;
 - hf: transformers' `Qwen3_5MoeForCausalLM` (sdpa, grouped_mm experts, fla when installed); it ignores
   packing, so its loss is compared on one-sequence cases only.
-Each row also carries tokens/s, MFU (6 * N_active * tokens / time over the H200's measured dense bf16
-matmul rate) and the provider's own peak memory (its weights + inputs + the step's extra peak).
+Each row also carries tokens/s, MFU (the step's model FLOPs, `models/flops.py` as verl's `perf/mfu/actor`
+counts them for our models, over the time and the H200's measured dense bf16 matmul rate) and the
+provider's own peak memory (its weights + inputs + the step's extra peak).
 """
 
 from __future__ import annotations
@@ -86,19 +87,6 @@ def reduced_config(layers: int):
         shared_expert_intermediate_size=512,
         tie_word_embeddings=False,
     )
-
-
-def active_params(model) -> int:
-    """Parameters one token uses, without the input embedding: dense weights, lm_head, and the routed
-    experts scaled by TOPK / E (0.993 B for the reduced L8 model)."""
-    arch = model.arch
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        share = arch.num_experts_per_tok / arch.num_experts if ".experts." in name else 1.0
-        total += p.numel() * share
-    return int(total)
 
 
 def unavailable(provider: str) -> str | None:
@@ -182,6 +170,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     position_ids = torch.cat([torch.arange(e - s, device=device) for s, e in zip(bounds[:-1], bounds[1:])])[None]
     return {
         "config": config,
+        "seqlens": [e - s for s, e in zip(bounds[:-1], bounds[1:])],
         "ours": ours,
         "input_ids": input_ids,
         "position_ids": position_ids,
@@ -241,13 +230,15 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
 
 
 def derived(case: dict, provider: str, mode: str, inputs: dict, ms: float, peak_extra_gib: float) -> dict:
-    """Per-row throughput and memory: tokens/s, MFU (2 N T flops forward, 6 N T with backward; the
-    recompute of checkpointing not counted), the provider's own peak (its weights + the step's extra
-    peak; the batch is a few KiB), and for ours with offload the peak host memory it held."""
+    """Per-row throughput and memory: tokens/s, MFU (model FLOPs of the forward, three times that with
+    backward; the recompute of checkpointing not counted), the provider's own peak (its weights + the
+    step's extra peak; the batch is a few KiB), and for ours with offload the peak host memory it held."""
+    from .flops import TRAIN_FACTOR, forward_flops
+
     tokens = case["tokens"]
     model = _model(provider, inputs)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 1024**3
-    flops = (6 if mode == "fwd_bwd" else 2) * active_params(inputs["ours"]) * tokens
+    flops = forward_flops(inputs["ours"].arch, inputs["seqlens"]) * (TRAIN_FACTOR if mode == "fwd_bwd" else 1)
     row = {
         "tokens_per_s": tokens / (ms / 1e3),
         "mfu": flops / (ms / 1e3) / (PEAK_TFLOPS * 1e12),

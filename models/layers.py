@@ -247,7 +247,7 @@ class MoeBlock(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if self.checkpoint_tile_tokens <= 0:
             out, logits = self._tile(flat, None)
-            return out.view_as(x), logits
+            return unflatten_tokens(out, x.shape), logits
         n = flat.shape[0]
         tile = max(n, 1) if self.experts.expert_parallel is not None else self.checkpoint_tile_tokens
         outs, logits = [], []
@@ -260,8 +260,8 @@ class MoeBlock(nn.Module):
             outs.append(out)
             logits.append(lg)
         if len(outs) == 1:
-            return outs[0].view_as(x), logits[0]
-        return torch.cat(outs).view_as(x), torch.cat(logits)
+            return unflatten_tokens(outs[0], x.shape), logits[0]
+        return unflatten_tokens(torch.cat(outs), x.shape), torch.cat(logits)
 
     def _tile(self, flat: torch.Tensor, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """flat: [n, D], the layer's tokens `rows` (None: all) -> (out [n, D], router logits [n, E])."""
@@ -270,3 +270,14 @@ class MoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out, logits
+
+
+def unflatten_tokens(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """flat [B*T, D], a result this block just made, as `shape` [B, T, D]: the same storage, but not
+    a view in autograd's eyes. The block's output leaves the decoder layer, and FSDP2 warns about
+    every view a sharded module returns (an in-place op on a view would bypass the pre-backward
+    hook it puts on the output). `flat` is fresh and nothing holds or saves it (the experts ops,
+    the shared-expert add and the tiles' cat keep no reference to their output), so this reshape,
+    torch's own for the folded products of matmul, neither copies nor hides a write from anyone;
+    its backward reshapes the gradient as a view's would."""
+    return torch.ops.aten._unsafe_view(flat, shape)

@@ -196,7 +196,8 @@ class _SavesStridedViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _SavesStridedViews.got = [
-            (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.clone()) for t in ctx.saved_tensors
+            (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.clone())
+            for t in ctx.saved_tensors
         ]
         return grad * 2
 
