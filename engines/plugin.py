@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,18 @@ def register_all() -> None:
     register_rollout()
 
 
+def refuse_verl_model_merger() -> None:
+    """verl's model merger cannot read our checkpoint folders (`engines/model_merger.py`): a process
+    started as `python -m verl.model_merger ... --local_dir <ours>` stops here with one line naming
+    our HF export and command, instead of verl's traceback about a missing fsdp_config.json."""
+    from verl_moe.engines.model_merger import refusal
+
+    line = refusal(getattr(sys, "orig_argv", []))
+    if line is not None:
+        raise SystemExit(line)
+
+
+refuse_verl_model_merger()
 try:
     register_all()
 except ImportError as exc:  # verl's loader would hide this at debug level
