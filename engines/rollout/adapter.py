@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from verl.workers.rollout.base import BaseRollout
 
-from ...models import build
+from ...models import build, get_spec
 from .config import RolloutOptions, rollout_dtype
 from .engine import Completion, GenerationEngine, Request
 from .weights import load_named_tensors
@@ -81,6 +81,9 @@ class MoeRolloutAdapter(BaseRollout):
         self.dtype = rollout_dtype(c.dtype)
         self.eos_token_ids = eos_token_ids(self.model_config)
         self.global_steps: int | None = None
+        self.weights_version = 0  # keys the sampling streams (see update_weights)
+        text = get_spec(self.model_config.hf_config.model_type).text_config(self.model_config.hf_config)
+        self.vocab_size, self.max_positions = text.vocab_size, text.max_position_embeddings
         self._model = None
         self._engine: GenerationEngine | None = None
         self._profiler = None
@@ -127,7 +130,15 @@ class MoeRolloutAdapter(BaseRollout):
         self._ensure_model()
         count = load_named_tensors(self._model, weights)
         self.global_steps = global_steps
-        self._engine = GenerationEngine(self._model, self.eos_token_ids, seed=self.config.seed + self.replica_rank)
+        # the training step, when verl says it, so a resumed run samples what an uninterrupted one did
+        self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
+        self._engine = GenerationEngine(
+            self._model,
+            self.eos_token_ids,
+            seed=self.config.seed,
+            weights_version=self.weights_version,
+            max_positions=self.max_positions,
+        )
         logger.info("verl_moe rollout replica %d: %d tensors loaded (step %s)", self.replica_rank, count, global_steps)
 
     def generate_sequences(self, prompts):
@@ -144,6 +155,10 @@ class MoeRolloutAdapter(BaseRollout):
             raise ValueError("verl_moe rollout has no weights yet: verl calls update_weights before generating")
         done = self._engine.add(requests) + self._engine.step(steps)
         return {"completions": done, "running": self._engine.num_running, "global_steps": self.global_steps}
+
+    def engine_limits(self) -> dict:
+        """What the server checks prompts against: {"vocab_size": int, "max_positions": int}."""
+        return {"vocab_size": self.vocab_size, "max_positions": self.max_positions}
 
     def engine_abort(self) -> list[Completion]:
         return [] if self._engine is None else self._engine.abort_all()

@@ -3,12 +3,21 @@
 New requests are prefilled together (one packed forward), sample their first token, and join
 the running batch; `step(k)` advances every running sequence by up to k tokens. A sequence
 leaves the batch (its state rows dropped) when it samples an end-of-sequence / stop token or
-reaches its `max_tokens`. One engine per rollout replica, living in the process that holds the
-weights (the trainer worker in verl's hybrid mode).
+reaches its `max_tokens`. One engine per rollout replica and weights version, living in the process
+that holds the weights (the trainer worker in verl's hybrid mode).
+
+Sampling streams: every sampled request draws from a generator of its own, seeded by its `seed` when
+it has one, else by `stream_seed(seed, weights_version, prompt, key)` with key = its `sample_key` and
+how many requests of the same prompt and sample_key this engine admitted before it. So its tokens
+depend on the weights, the seed, the weights version and the request, not on which requests share its
+batch or arrive before it. Identical requests (GRPO's n copies of a prompt) get distinct streams by
+their arrival rank: their outputs as a set are fixed, which copy gets which one follows arrival
+unless the caller tells them apart with a sample_key.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,16 +25,33 @@ import torch
 
 from ...models import MoeCausalLM
 from ...models.decode import DecodeState, MoeDecoder
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, stream_seed
 
 
 @dataclass(frozen=True)
 class Request:
-    """request_id: the caller's id; prompt_ids: non-empty token ids; params: its sampling settings."""
+    """request_id: the caller's id; prompt_ids: non-empty token ids; params: its sampling settings;
+    sample_key: part of the sampling stream's key (see the module docstring), e.g. a stable id the
+    caller gives each copy of a prompt."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    sample_key: str = ""
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int | None = None) -> None:
+    """Raises ValueError (one line) for an empty prompt, a token id outside [0, vocab_size), or a
+    prompt of more than max_positions tokens (the model's max_position_embeddings; None: no limit)."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt is empty: generation needs at least one prompt token")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"prompt token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
+    if max_positions is not None and len(prompt_ids) > max_positions:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens is longer than the model's max_position_embeddings={max_positions}"
+        )
 
 
 @dataclass(frozen=True)
@@ -53,15 +79,26 @@ class GenerationEngine:
     Args:
         model: a local MoeCausalLM (eval mode is not required: nothing here has dropout).
         eos_token_ids: tokens that end a request (unless its `ignore_eos`).
-        seed: seed of the generator shared by requests without their own `seed`.
+        seed, weights_version: keys of the sampling streams of requests without their own `seed`
+            (the rollout seed; the training step whose weights the model holds).
+        max_positions: the longest prompt accepted (the model's max_position_embeddings), None: any.
     """
 
-    def __init__(self, model: MoeCausalLM, eos_token_ids: Iterable[int], seed: int = 0):
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        eos_token_ids: Iterable[int],
+        seed: int = 0,
+        weights_version: int = 0,
+        max_positions: int | None = None,
+    ):
         self.decoder = MoeDecoder(model)
         self.vocab_size = model.arch.vocab_size
+        self.max_positions = max_positions
         self.device = model.lm_head.weight.device
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.seed, self.weights_version = seed, weights_version
+        self._copies: Counter[tuple] = Counter()  # (prompt, sample_key) -> requests admitted so far
         self._running: list[_Running] = []
         self._state: DecodeState | None = None
         self._last: torch.Tensor | None = None  # [N] the token each running sequence feeds next
@@ -82,17 +119,15 @@ class GenerationEngine:
         Returns the requests that finished on their first token.
 
         Raises:
-            ValueError: an empty prompt or a token id outside the vocabulary; a request id already running.
+            ValueError: a prompt `check_prompt` refuses, a request id already running or given twice.
+                Nothing is admitted then: the running requests go on as before.
         """
         if not requests:
             return []
-        running_ids = {r.request.request_id for r in self._running}
-        for r in requests:
-            if r.request_id in running_ids:
-                raise ValueError(f"request {r.request_id!r} is already running")
+        self._check(requests)
         capacity = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
         logits, state = self.decoder.prefill([list(r.prompt_ids) for r in requests], capacity=capacity)
-        new = [_Running(r, self._request_generator(r.params)) for r in requests]
+        new = [_Running(r, self._request_generator(r)) for r in requests]
         finished, keep, tokens = self._sample(new, logits)
         new = [new[i] for i in keep]
         if new:
@@ -127,10 +162,29 @@ class GenerationEngine:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _request_generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None or params.greedy:
+    def _check(self, requests: Sequence[Request]) -> None:
+        running_ids = {r.request.request_id for r in self._running}
+        seen: set[str] = set()
+        for r in requests:
+            if r.request_id in running_ids:
+                raise ValueError(f"request {r.request_id!r} is already running")
+            if r.request_id in seen:
+                raise ValueError(f"request id {r.request_id!r} appears twice in one add call")
+            seen.add(r.request_id)
+            try:
+                check_prompt(r.prompt_ids, self.vocab_size, self.max_positions)
+            except ValueError as e:
+                raise ValueError(f"request {r.request_id!r}: {e}") from None
+
+    def _request_generator(self, r: Request) -> torch.Generator | None:
+        if r.params.greedy:
             return None
-        return torch.Generator(self.device).manual_seed(params.seed)
+        seed = r.params.seed
+        if seed is None:
+            copy = (r.prompt_ids, r.sample_key)
+            seed = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
+            self._copies[copy] += 1
+        return torch.Generator(self.device).manual_seed(seed)
 
     def _sample(self, running: list[_Running], logits: torch.Tensor):
         """Sample one token per running sequence; returns (finished completions, kept row indices,
@@ -138,7 +192,7 @@ class GenerationEngine:
         logits = self._mask_early_stops(running, logits)
         params = [r.request.params for r in running]
         seen = self._seen(running) if any(p.repetition_penalty != 1.0 for p in params) else None
-        tokens, log_probs = sample(logits, params, [r.generator for r in running], self.generator, seen)
+        tokens, log_probs = sample(logits, params, [r.generator for r in running], seen)
         finished, keep = [], []
         for i, (r, token, lp) in enumerate(zip(running, tokens.tolist(), log_probs.tolist())):
             r.tokens.append(token)
@@ -180,4 +234,4 @@ class GenerationEngine:
         return Completion(r.request.request_id, list(r.tokens), lps, reason)
 
 
-__all__ = ["Completion", "GenerationEngine", "Request"]
+__all__ = ["Completion", "GenerationEngine", "Request", "check_prompt"]

@@ -10,14 +10,16 @@ was drawn from):
 3. top-k (k <= 0 or >= VOCAB: off), then top-p (keep the smallest set of most likely tokens whose
    mass reaches p; the most likely token always stays), then min-p (drop tokens whose probability
    is below min_p times the largest);
-4. log-softmax of what remains; greedy rows take the argmax, the others draw from it with their
-   own generator (a request's `seed`) or the engine's.
+4. log-softmax of what remains; greedy rows take the argmax, the others draw from it with the
+   request's own generator (its `seed`, or the engine's `stream_seed` of it), so what a row draws
+   does not depend on the other rows.
 verl's trainer computes log_softmax(logits / temperature) over the whole vocabulary, so with
 top_k=-1, top_p=1, min_p=0 (the defaults) rollout and trainer log-probs are the same quantity.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +38,7 @@ class SamplingParams:
         max_tokens: new tokens at most (the server fills it in; >= 1).
         temperature, top_k, top_p, min_p, repetition_penalty: see the module docstring.
         logprobs: return the sampled tokens' log-probs (verl sends a bool).
-        seed: a per-request generator seed, or None for the engine's generator.
+        seed: the request's generator seed, or None for a stream the engine derives (`stream_seed`).
         ignore_eos: keep going past end-of-sequence tokens. stop_token_ids: more tokens that end it.
         min_tokens: end-of-sequence and stop tokens do not end the request before this many tokens.
     """
@@ -100,23 +102,33 @@ class SamplingParams:
         return cls(max_tokens=int(max_tokens), **kwargs)
 
 
+def stream_seed(seed: int, weights_version: int, prompt_ids: Sequence[int], key: str) -> int:
+    """The generator seed of one request's sampling stream, in [0, 2**63): a hash of the rollout seed,
+    the weights version, the prompt and `key` (what tells identical prompts apart). A hash rather than
+    a sum, so nearby seeds, steps and prompts do not share streams."""
+    text = repr((int(seed), int(weights_version), [int(t) for t in prompt_ids], str(key)))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator,
     seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row.
 
     Args:
         logits: [N, VOCAB] next-token logits (any float dtype).
-        params: N SamplingParams. generators: N per-request generators (None: `default_generator`),
-            on logits' device.
+        params: N SamplingParams. generators: N per-request generators on logits' device (None
+            only for greedy rows); a row's draw uses its own generator alone.
         seen: [N, VOCAB] bool, tokens of each row's prompt and output (needed only when a row has a
             repetition penalty != 1).
     Returns:
         tokens [N] int64 and their log-probs [N] fp32 under the processed distribution.
+    Raises:
+        ValueError: a sampled (not greedy) row without a generator.
     """
     N, vocab = logits.shape
     x = logits.float()
@@ -132,15 +144,12 @@ def sample(
     logprobs = torch.log_softmax(x, dim=-1)
     tokens = x.argmax(-1)
     sampled = [n for n in range(N) if not params[n].greedy]
+    if any(generators[n] is None for n in sampled):
+        raise ValueError("every sampled row needs its own generator (the global RNG would tie rows together)")
     if sampled:
         probs = logprobs.exp()
-        shared = [n for n in sampled if generators[n] is None]
-        if shared:
-            rows = torch.tensor(shared, device=device)
-            tokens[rows] = torch.multinomial(probs[rows], 1, generator=default_generator)[:, 0]
         for n in sampled:
-            if generators[n] is not None:
-                tokens[n] = torch.multinomial(probs[n : n + 1], 1, generator=generators[n])[0, 0]
+            tokens[n] = torch.multinomial(probs[n], 1, generator=generators[n])[0]
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -171,4 +180,4 @@ def _mask_top_p_min_p(x: torch.Tensor, top_p: list[float], min_p: list[float]) -
     return x
 
 
-__all__ = ["GREEDY_EPS", "SamplingParams", "sample"]
+__all__ = ["GREEDY_EPS", "SamplingParams", "sample", "stream_seed"]

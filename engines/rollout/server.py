@@ -7,6 +7,14 @@ them, so requests that arrive while others decode join at the next call (continu
 The engine lives in the leader worker process (`adapter.py`); `RayEngineClient` reaches it with
 `worker.__ray_call__`, `LocalEngineClient` calls an adapter in this process (tests).
 
+Requests are checked when they arrive (prompt, token ids, lengths, sampling parameters), so a bad
+request fails alone, before it reaches the engine. Sampling streams (see `engine.py`): identical
+prompts are told apart by their rank of arrival on this replica. With verl's
+`rollout.full_determinism` the agent loop's request ids are stable across runs (`det-<priority>`:
+the batch position under verl's legacy trainer, `det-0` for all under the v1 trainer, which sets no
+priorities) and key the streams too, and requests decode one at a time, so their log-probs, not
+only their tokens, do not depend on what else was running.
+
 The control methods are the ones verl's `RolloutReplica` and trainers call on a server
 (`wake_up`, `sleep`, `clear_kv_cache`, `release_kv_cache`, `resume_kv_cache`,
 `abort_all_requests`, `resume_generation`, `start_profile`, `stop_profile`, plus vLLM's
@@ -25,7 +33,7 @@ from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
 from .config import RolloutOptions
-from .engine import Completion, Request
+from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,6 +88,10 @@ class MoeRolloutServer:
         self.replica_rank, self.rollout_mode = replica_rank, rollout_mode
         self.engine = engine if engine is not None else RayEngineClient(workers[0], replica_rank)
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
+        # a lone sequence runs the same operations whatever else arrives; batched ones do not (small
+        # batches take other matmul paths, hence other roundings)
+        self.max_num_seqs = 1 if self.config.full_determinism else self.config.max_num_seqs
+        self._limits: dict | None = None  # the model's vocab_size and max_positions, asked once
         self.global_steps: int | None = None
         self._ids = itertools.count()
         self._queue: list[tuple[Request, asyncio.Future]] = []
@@ -107,11 +119,12 @@ class MoeRolloutServer:
         """Generate a continuation of `prompt_ids`; returns verl's TokenOutput (log_probs when
         `sampling_params["logprobs"]`). Without `max_tokens` the budget is vLLM's in verl:
         min(response_length, prompt_length + response_length - len(prompt)), clamped to
-        [1, max_model_len - len(prompt)].
+        [1, room]; a given `max_tokens` is capped at room, room = min(max_model_len, the model's
+        max_position_embeddings) - len(prompt).
 
         Raises:
-            ValueError: multimodal input, extra arguments, a prompt that leaves no room in
-                max_model_len, or sampling parameters the sampler does not implement.
+            ValueError: multimodal input, extra arguments, a prompt `check_prompt` refuses or that
+                leaves no room, max_tokens < 1, or sampling parameters the sampler does not implement.
         """
         if any(x is not None for x in (image_data, video_data, audio_data)) or mm_processor_kwargs:
             raise ValueError("verl_moe rollout generates from text token ids only (no image/video/audio input)")
@@ -120,24 +133,30 @@ class MoeRolloutServer:
         from verl.utils import normalize_token_ids
 
         prompt_ids = normalize_token_ids(prompt_ids)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1 or not prompt_ids:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
+        if self._limits is None:
+            self._limits = await self.engine.call("limits")
+        check_prompt(prompt_ids, self._limits["vocab_size"], self._limits["max_positions"])
+        context = min(self.max_model_len, self._limits["max_positions"])
+        room = context - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within {context} tokens")
         params = dict(sampling_params)
         max_tokens = params.pop("max_tokens", None)
         if max_tokens is None:
             max_tokens = params.pop("max_new_tokens", None)
         if max_tokens is None:
             c = self.config
-            max_tokens = min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids))
+            max_tokens = max(1, min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids)))
+        elif int(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         params.setdefault("ignore_eos", self.config.ignore_eos)
         request = Request(
             request_id=f"{request_id}#{next(self._ids)}",
             prompt_ids=tuple(prompt_ids),
-            params=SamplingParams.from_request(params, max(1, min(int(max_tokens), room))),
+            params=SamplingParams.from_request(params, min(int(max_tokens), room)),
+            # verl's ids are stable across runs only under full_determinism (else fresh uuids); the
+            # replica rank keeps identical prompts on different replicas on different streams
+            sample_key=str(request_id) if self.config.full_determinism else f"replica{self.replica_rank}",
         )
         while not self._gate.is_set():
             if self._rejecting:
@@ -152,26 +171,35 @@ class MoeRolloutServer:
 
     async def _serve(self) -> None:
         """Drive the engine until no request is queued or running."""
-        try:
-            await asyncio.sleep(self.options.batch_wait_ms / 1000)  # let a batch gather
-            while self._queue or self._running:
-                async with self._lock:
-                    if not self._gate.is_set():
-                        break  # abort_all_requests answered everything
-                    room = max(0, self.config.max_num_seqs - len(self._running))
-                    admitted, self._queue = self._queue[:room], self._queue[room:]
-                    for request, future in admitted:
-                        self._running[request.request_id] = future
+        await asyncio.sleep(self.options.batch_wait_ms / 1000)  # let a batch gather
+        while self._queue or self._running:
+            async with self._lock:
+                if not self._gate.is_set():
+                    break  # abort_all_requests answered everything
+                room = max(0, self.max_num_seqs - len(self._running))
+                admitted, self._queue = self._queue[:room], self._queue[room:]
+                for request, future in admitted:
+                    self._running[request.request_id] = future
+                try:
                     result = await self.engine.call("run", [r for r, _ in admitted], self.options.steps_per_call)
-                self._finish(result["completions"], result["global_steps"])
-                await asyncio.sleep(0)  # let control calls (abort, sleep) and new requests in between calls
-        except Exception as exc:  # fail every waiting request rather than hang them
-            logger.exception("verl_moe rollout replica %d: engine call failed", self.replica_rank)
-            for future in [*self._running.values(), *(f for _, f in self._queue)]:
-                if not future.done():
-                    future.set_exception(exc)
-            self._running.clear()
-            self._queue.clear()
+                except Exception as exc:
+                    await self._fail_running(exc)
+                    continue
+            self._finish(result["completions"], result["global_steps"])
+            await asyncio.sleep(0)  # let control calls (abort, sleep) and new requests in between calls
+
+    async def _fail_running(self, exc: Exception) -> None:
+        """An engine call failed: its requests (the running ones) get the error rather than hang, the
+        engine drops their sequences (so sleep and weight updates work again), the queue goes on."""
+        logger.error("verl_moe rollout replica %d: engine call failed: %r", self.replica_rank, exc)
+        for future in self._running.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._running.clear()
+        try:
+            await self.engine.call("abort")
+        except Exception:
+            logger.exception("verl_moe rollout replica %d: abort after the failure failed too", self.replica_rank)
 
     def _finish(self, completions: list[Completion], global_steps: int | None) -> None:
         if global_steps is not None:

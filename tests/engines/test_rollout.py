@@ -79,7 +79,8 @@ def test_sample_matches_explicit_processed_distribution():
         SamplingParams(max_tokens=1, temperature=0.9, top_k=10, top_p=0.8, min_p=0.05),
     ]
     for seed in range(5):
-        tokens, lps = sample(logits, params, [None] * 5, torch.Generator().manual_seed(seed))
+        gens = [None if p.greedy else torch.Generator().manual_seed(10 * seed + n) for n, p in enumerate(params)]
+        tokens, lps = sample(logits, params, gens)
         for n, p in enumerate(params):
             ref = _explicit_distribution(logits[n], p)
             t = tokens[n].item()
@@ -91,14 +92,16 @@ def test_sample_matches_explicit_processed_distribution():
 def test_sample_follows_distribution_and_seeds_reproduce():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(4000, -1)
     p = SamplingParams(max_tokens=1, temperature=0.8)
-    tokens, _ = sample(logits, [p] * 4000, [None] * 4000, torch.Generator().manual_seed(3))
+    tokens, _ = sample(logits, [p] * 4000, [torch.Generator().manual_seed(3)] * 4000)  # rows draw in turn
     freq = torch.bincount(tokens, minlength=5).double() / 4000
     probs = torch.softmax(logits[0].double() / 0.8, 0)
     assert (freq - probs).abs().max() < 0.03  # 4000 draws: std of a frequency <= 0.008
     seeded = [torch.Generator().manual_seed(7) for _ in range(2)]
-    a, _ = sample(logits[:1], [p], seeded[:1], torch.Generator().manual_seed(0))
-    b, _ = sample(logits[:1], [p], seeded[1:], torch.Generator().manual_seed(99))
-    assert a.item() == b.item()
+    a, _ = sample(logits[:1], [p], seeded[:1])
+    b, _ = sample(logits[:3], [p] * 3, [torch.Generator().manual_seed(5), seeded[1], torch.Generator()])
+    assert a.item() == b[1].item()  # a row's draw depends on its own generator only
+    with pytest.raises(ValueError, match="generator"):
+        sample(logits[:1], [p], [None])
 
 
 def test_sampling_params_from_verl_request():
