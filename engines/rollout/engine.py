@@ -6,9 +6,10 @@ leaves the batch (its state rows dropped) when it samples an end-of-sequence / s
 reaches its `max_tokens`. One engine per rollout replica and weights version, living in the process
 that holds the weights (the trainer worker in verl's hybrid mode).
 
-Sampling streams: every sampled request draws from a generator of its own, seeded by its `seed` when
-it has one, else by `stream_seed(seed, weights_version, prompt, key)` with key = its `sample_key` and
-how many requests of the same prompt and sample_key this engine admitted before it. So its tokens
+Sampling streams: every sampled request draws its t-th token at `stream_uniform(stream, t)` of a
+stream of its own: its `seed` when it has one, else `stream_seed(seed, weights_version, prompt, key)`
+with key = its `sample_key` and how many requests of the same prompt and sample_key this engine
+admitted before it. So its tokens
 depend on the weights, the seed, the weights version and the request, not on which requests share its
 batch or arrive before it. Identical requests (GRPO's n copies of a prompt) get distinct streams by
 their arrival rank: their outputs as a set are fixed, which copy gets which one follows arrival
@@ -25,7 +26,7 @@ import torch
 
 from ...models import MoeCausalLM
 from ...models.decode import DecodeState, MoeDecoder
-from .sampling import SamplingParams, sample, stream_seed
+from .sampling import SamplingParams, sample, stream_seed, stream_uniform
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Completion:
 @dataclass
 class _Running:
     request: Request
-    generator: torch.Generator | None
+    stream: int | None  # None: greedy
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
 
@@ -127,7 +128,7 @@ class GenerationEngine:
         self._check(requests)
         capacity = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
         logits, state = self.decoder.prefill([list(r.prompt_ids) for r in requests], capacity=capacity)
-        new = [_Running(r, self._request_generator(r)) for r in requests]
+        new = [_Running(r, self._stream(r)) for r in requests]
         finished, keep, tokens = self._sample(new, logits)
         new = [new[i] for i in keep]
         if new:
@@ -176,15 +177,15 @@ class GenerationEngine:
             except ValueError as e:
                 raise ValueError(f"request {r.request_id!r}: {e}") from None
 
-    def _request_generator(self, r: Request) -> torch.Generator | None:
+    def _stream(self, r: Request) -> int | None:
         if r.params.greedy:
             return None
-        seed = r.params.seed
-        if seed is None:
-            copy = (r.prompt_ids, r.sample_key)
-            seed = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
-            self._copies[copy] += 1
-        return torch.Generator(self.device).manual_seed(seed)
+        if r.params.seed is not None:
+            return r.params.seed
+        copy = (r.prompt_ids, r.sample_key)
+        stream = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
+        self._copies[copy] += 1
+        return stream
 
     def _sample(self, running: list[_Running], logits: torch.Tensor):
         """Sample one token per running sequence; returns (finished completions, kept row indices,
@@ -192,7 +193,8 @@ class GenerationEngine:
         logits = self._mask_early_stops(running, logits)
         params = [r.request.params for r in running]
         seen = self._seen(running) if any(p.repetition_penalty != 1.0 for p in params) else None
-        tokens, log_probs = sample(logits, params, [r.generator for r in running], seen)
+        uniforms = [None if r.stream is None else stream_uniform(r.stream, len(r.tokens)) for r in running]
+        tokens, log_probs = sample(logits, params, uniforms, seen)
         finished, keep = [], []
         for i, (r, token, lp) in enumerate(zip(running, tokens.tolist(), log_probs.tolist())):
             r.tokens.append(token)

@@ -10,9 +10,11 @@ was drawn from):
 3. top-k (k <= 0 or >= VOCAB: off), then top-p (keep the smallest set of most likely tokens whose
    mass reaches p; the most likely token always stays), then min-p (drop tokens whose probability
    is below min_p times the largest);
-4. log-softmax of what remains; greedy rows take the argmax, the others draw from it with the
-   request's own generator (its `seed`, or the engine's `stream_seed` of it), so what a row draws
-   does not depend on the other rows.
+4. log-softmax of what remains; greedy rows take the argmax, the others draw from it by inverting
+   its CDF at a number of the request's own stream (`stream_uniform`), so what a row draws does not
+   depend on the other rows. Streams are counter-based hashes rather than torch generators: one
+   batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU) and the same
+   numbers on every device.
 verl's trainer computes log_softmax(logits / temperature) over the whole vocabulary, so with
 top_k=-1, top_p=1, min_p=0 (the defaults) rollout and trainer log-probs are the same quantity.
 """
@@ -38,7 +40,7 @@ class SamplingParams:
         max_tokens: new tokens at most (the server fills it in; >= 1).
         temperature, top_k, top_p, min_p, repetition_penalty: see the module docstring.
         logprobs: return the sampled tokens' log-probs (verl sends a bool).
-        seed: the request's generator seed, or None for a stream the engine derives (`stream_seed`).
+        seed: the request's own stream (vLLM's per-request seed), or None for one the engine derives.
         ignore_eos: keep going past end-of-sequence tokens. stop_token_ids: more tokens that end it.
         min_tokens: end-of-sequence and stop tokens do not end the request before this many tokens.
     """
@@ -103,32 +105,40 @@ class SamplingParams:
 
 
 def stream_seed(seed: int, weights_version: int, prompt_ids: Sequence[int], key: str) -> int:
-    """The generator seed of one request's sampling stream, in [0, 2**63): a hash of the rollout seed,
-    the weights version, the prompt and `key` (what tells identical prompts apart). A hash rather than
-    a sum, so nearby seeds, steps and prompts do not share streams."""
-    text = repr((int(seed), int(weights_version), [int(t) for t in prompt_ids], str(key)))
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    """The stream of a request without its own seed, in [0, 2**63): a hash of the rollout seed, the
+    weights version, the prompt and `key` (what tells identical prompts apart). A hash rather than a
+    sum, so nearby seeds, steps and prompts do not share streams."""
+    return _hash64(int(seed), int(weights_version), [int(t) for t in prompt_ids], str(key)) >> 1
+
+
+def stream_uniform(stream: int, index: int) -> float:
+    """Number `index` of stream `stream`: uniform in [0, 1) with 53 random bits, a hash of both."""
+    return (_hash64(int(stream), int(index)) >> 11) * 2.0**-53
+
+
+def _hash64(*values) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little")
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    uniforms: Sequence[float | None],
     seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row.
 
     Args:
         logits: [N, VOCAB] next-token logits (any float dtype).
-        params: N SamplingParams. generators: N per-request generators on logits' device (None
-            only for greedy rows); a row's draw uses its own generator alone.
+        params: N SamplingParams. uniforms: N numbers in [0, 1), None only for greedy rows: row n
+            takes the first token (in vocabulary order) where the CDF of its processed distribution
+            exceeds uniforms[n] times the total (inverse-CDF sampling, as torch.multinomial draws).
         seen: [N, VOCAB] bool, tokens of each row's prompt and output (needed only when a row has a
             repetition penalty != 1).
     Returns:
         tokens [N] int64 and their log-probs [N] fp32 under the processed distribution.
     Raises:
-        ValueError: a sampled (not greedy) row without a generator.
+        ValueError: a sampled (not greedy) row without its number.
     """
     N, vocab = logits.shape
     x = logits.float()
@@ -144,12 +154,17 @@ def sample(
     logprobs = torch.log_softmax(x, dim=-1)
     tokens = x.argmax(-1)
     sampled = [n for n in range(N) if not params[n].greedy]
-    if any(generators[n] is None for n in sampled):
-        raise ValueError("every sampled row needs its own generator (the global RNG would tie rows together)")
+    if any(uniforms[n] is None for n in sampled):
+        raise ValueError("every sampled row needs a number of its own stream")
     if sampled:
-        probs = logprobs.exp()
-        for n in sampled:
-            tokens[n] = torch.multinomial(probs[n], 1, generator=generators[n])[0]
+        rows = torch.tensor(sampled, device=device)
+        # fp64: a parallel scan may round a masked (zero-probability) token's CDF one ulp above its
+        # neighbour's, leaving it a ~1e-16 chance in fp64 (~1e-7 in fp32, times the masked tokens)
+        cdf = logprobs[rows].double().exp().cumsum(-1)
+        total = cdf[:, -1:]
+        u = torch.tensor([uniforms[n] for n in sampled], dtype=torch.float64, device=device)[:, None]
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens[rows] = torch.searchsorted(cdf, target, right=True)[:, 0]
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -180,4 +195,4 @@ def _mask_top_p_min_p(x: torch.Tensor, top_p: list[float], min_p: list[float]) -
     return x
 
 
-__all__ = ["GREEDY_EPS", "SamplingParams", "sample", "stream_seed"]
+__all__ = ["GREEDY_EPS", "SamplingParams", "sample", "stream_seed", "stream_uniform"]

@@ -19,7 +19,7 @@ from engine_setup import tiny_config, tiny_model
 from verl.workers.config import RolloutConfig
 from verl_moe.engines.rollout.adapter import MoeRolloutAdapter
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
-from verl_moe.engines.rollout.sampling import SamplingParams, sample
+from verl_moe.engines.rollout.sampling import SamplingParams, sample, stream_uniform
 from verl_moe.engines.rollout.server import LocalEngineClient, MoeRolloutServer
 from verl_moe.engines.rollout.weights import load_named_tensors
 
@@ -79,8 +79,9 @@ def test_sample_matches_explicit_processed_distribution():
         SamplingParams(max_tokens=1, temperature=0.9, top_k=10, top_p=0.8, min_p=0.05),
     ]
     for seed in range(5):
-        gens = [None if p.greedy else torch.Generator().manual_seed(10 * seed + n) for n, p in enumerate(params)]
-        tokens, lps = sample(logits, params, gens)
+        tokens, lps = sample(
+            logits, params, [None if p.greedy else stream_uniform(seed, n) for n, p in enumerate(params)]
+        )
         for n, p in enumerate(params):
             ref = _explicit_distribution(logits[n], p)
             t = tokens[n].item()
@@ -89,18 +90,20 @@ def test_sample_matches_explicit_processed_distribution():
         assert tokens[0].item() == logits[0].argmax().item()  # greedy: argmax, log-prob at temperature 1
 
 
-def test_sample_follows_distribution_and_seeds_reproduce():
+def test_sample_follows_distribution_and_inverts_the_cdf():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(4000, -1)
     p = SamplingParams(max_tokens=1, temperature=0.8)
-    tokens, _ = sample(logits, [p] * 4000, [torch.Generator().manual_seed(3)] * 4000)  # rows draw in turn
+    tokens, _ = sample(logits, [p] * 4000, [stream_uniform(3, i) for i in range(4000)])
     freq = torch.bincount(tokens, minlength=5).double() / 4000
     probs = torch.softmax(logits[0].double() / 0.8, 0)
     assert (freq - probs).abs().max() < 0.03  # 4000 draws: std of a frequency <= 0.008
-    seeded = [torch.Generator().manual_seed(7) for _ in range(2)]
-    a, _ = sample(logits[:1], [p], seeded[:1])
-    b, _ = sample(logits[:3], [p] * 3, [torch.Generator().manual_seed(5), seeded[1], torch.Generator()])
-    assert a.item() == b[1].item()  # a row's draw depends on its own generator only
-    with pytest.raises(ValueError, match="generator"):
+    # the first token whose CDF exceeds the number, whatever the other rows draw
+    cdf = probs.cumsum(0)
+    for u in (0.0, 0.3, float(cdf[1]) - 1e-6, float(cdf[1]) + 1e-6, 0.999999):  # fp32 log-probs: 1e-7
+        expected = int((cdf > u).nonzero()[0])
+        drawn, _ = sample(logits[:3], [p] * 3, [0.5, u, 0.9])
+        assert drawn[1].item() == expected, u
+    with pytest.raises(ValueError, match="number"):
         sample(logits[:1], [p], [None])
 
 

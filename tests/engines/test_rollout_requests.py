@@ -21,7 +21,7 @@ from engine_setup import VOCAB, tiny_config, tiny_model
 from test_rollout import PROMPTS, _adapter, _full_logprobs, _model, _rollout_config
 from verl_moe.engines.rollout.adapter import MoeRolloutAdapter
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
-from verl_moe.engines.rollout.sampling import SamplingParams, stream_seed
+from verl_moe.engines.rollout.sampling import SamplingParams, stream_seed, stream_uniform
 from verl_moe.engines.rollout.server import LocalEngineClient, MoeRolloutServer
 
 SAMPLED = SamplingParams(max_tokens=5, temperature=1.0)
@@ -35,14 +35,16 @@ def _broad_model() -> vm.MoeCausalLM:
     return tiny_model(seed=0).eval()
 
 
-def _reference(model, prompt, n, generator, temperature=1.0) -> list[int]:
-    """n tokens drawn by `generator` from softmax(logits / T) of a full forward per token."""
+def _reference(model, prompt, n, stream, temperature=1.0) -> list[int]:
+    """n tokens of `stream`: token t is the first whose fp64 CDF of softmax(logits / T), from a full
+    forward of the prompt and the tokens before it, exceeds stream_uniform(stream, t)."""
     tokens: list[int] = []
-    for _ in range(n):
+    for t in range(n):
         ids = torch.tensor([list(prompt) + tokens])
         with torch.no_grad():
-            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]).last_hidden_state)[0, -1].float()
-        tokens.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)))
+            logits = model.logits(model(ids, torch.arange(ids.shape[1])[None]).last_hidden_state)[0, -1]
+        cdf = torch.softmax(logits.double() / temperature, -1).cumsum(0)
+        tokens.append(int((cdf > stream_uniform(stream, t) * cdf[-1]).nonzero()[0]))
     return tokens
 
 
@@ -64,16 +66,16 @@ def _generate(engine: GenerationEngine, requests, split: int | None = None) -> d
 
 
 def test_unseeded_request_draws_its_own_stream():
-    """Each request's tokens are its own stream's draws: seeded by stream_seed(seed, weights version,
-    prompt, sample_key / rank among identical requests)."""
+    """Each request's tokens are its own stream's draws, the stream being stream_seed(seed, weights
+    version, prompt, sample_key / rank among identical requests)."""
     model = _broad_model()
     requests = [Request(f"r{i}", p, SAMPLED) for i, p in enumerate(COPIES)]
     out = _generate(GenerationEngine(model, [], seed=7, weights_version=3), requests)
     copies: dict[tuple, int] = {}
     for r in requests:
         rank = copies[r.prompt_ids] = copies.get(r.prompt_ids, -1) + 1
-        g = torch.Generator().manual_seed(stream_seed(7, 3, r.prompt_ids, f"/{rank}"))
-        assert out[r.request_id] == _reference(model, r.prompt_ids, SAMPLED.max_tokens, g), r.request_id
+        stream = stream_seed(7, 3, r.prompt_ids, f"/{rank}")
+        assert out[r.request_id] == _reference(model, r.prompt_ids, SAMPLED.max_tokens, stream), r.request_id
     assert len({tuple(out[f"r{i}"]) for i in (0, 2, 4)}) == 3  # the copies of one prompt differ
 
 
@@ -113,7 +115,7 @@ def test_explicit_seed_is_honoured():
     alone = _generate(GenerationEngine(model, [], seed=0, weights_version=1), [seeded])["s"]
     others = [Request(f"o{i}", p, SAMPLED) for i, p in enumerate(COPIES)]
     batched = _generate(GenerationEngine(model, [], seed=5, weights_version=9), [*others, seeded], split=3)["s"]
-    reference = _reference(model, PROMPTS[1], 5, torch.Generator().manual_seed(123), temperature=0.8)
+    reference = _reference(model, PROMPTS[1], 5, 123, temperature=0.8)
     assert alone == batched == reference
 
 
