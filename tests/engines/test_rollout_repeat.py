@@ -3,7 +3,7 @@ metrics at every step, exactly, with verl's `full_determinism` switch on our rol
 streams keyed by verl's stable request ids, one request decoding at a time) and the content-ordered
 replay buffer (verl's v1 trainer otherwise takes a batch in the order its trajectories finished).
 
-The two runs go concurrently (two Ray clusters) to halve the wall time: ~3 min on 2 cores, most
+The two runs go concurrently (two Ray clusters) to halve the wall time: ~2.7 min on 2 cores, most
 of it process start-up. Only wall-clock and memory readings may differ.
 """
 
