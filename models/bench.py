@@ -2,11 +2,12 @@
 Qwen3.5-MoE, ours against VeOmni's own model and transformers (with fla when installed), all built from
 the same weights in one process.
 
-The reduced model is ENVIRONMENT.md's anchor: hidden 2048, 8 layers (6 GatedDeltaNet + 2 attention),
-64 experts top-8, the real 248,320-token vocabulary, bf16. Cases: one 8192-token sequence, and 16,384
-tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short sequences); long single sequences
-(32K, 128K, 256K tokens) with activation checkpointing per decoder layer, ours only (`-ckpt`); these
-keep their gradients between steps (zeroed in place), so their peak above the inputs is activation memory.
+The reduced model has Qwen3.5-35B-A3B's layer shapes with fewer layers and experts: hidden 2048, 8 layers
+(6 GatedDeltaNet + 2 attention), 64 experts top-8, the real 248,320-token vocabulary, bf16. Cases: one
+8192-token sequence, and 16,384 tokens packed as 1, 16 or 64 sequences (RL micro-batches are many short
+sequences); long single sequences (32K, 128K, 256K tokens) with activation checkpointing per decoder layer,
+ours only (`-ckpt`); these keep their gradients between steps (zeroed in place), so their peak above the
+inputs is activation memory.
 
 `--offload` (the `offload` option) adds activation offload to ours (`models/activation_offload.py`: each
 decoder layer's saved tensors, its checkpoint units' inputs under checkpointing, go to pinned host memory
@@ -39,7 +40,7 @@ CASES = [
     # transformers ignores packing: timed, its loss not compared.
     {"id": "qwen3.5-moe-reduced-L8-T16384-N16", "layers": 8, "tokens": 16384, "sequences": 16, "unchecked": ("hf",)},
     {"id": "qwen3.5-moe-reduced-L8-T16384-N64", "layers": 8, "tokens": 16384, "sequences": 64, "unchecked": ("hf",)},
-    # per-layer activation checkpointing, for the long-sequence memory limits (issue 17); the other providers
+    # per-layer activation checkpointing, for the long-sequence memory limits; the other providers
     # have no checkpointing here
     *(
         {
@@ -61,7 +62,7 @@ MODES = ("fwd", "fwd_bwd")
 # ours 2.8%, transformers 3.4%), so two bf16 gradients cannot check each other; gradient
 # correctness is tested in fp32 against transformers in tests/models. The bf16 losses agreed to 7e-5.
 TOLERANCE = {"ours": 1e-3, "veomni": 0.0, "hf": 1e-3}
-# Dense bf16 matmul rate measured on the H200 (device notes: ~790 TFLOP/s), the MFU denominator.
+# Dense bf16 matmul rate measured on an H200 (~790 TFLOP/s; verl's peak table says 989), the MFU denominator.
 PEAK_TFLOPS = 790.0
 
 
@@ -105,7 +106,7 @@ def unavailable(provider: str) -> str | None:
 
 def _allow_fla_backward_on_hopper() -> None:
     # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its own guard against a Triton
-    # miscompile); its gradients matched the reference at K=128 (ENVIRONMENT.md).
+    # miscompile); its gradients matched the fp32 reference at K=128 on an H200.
     if importlib.util.find_spec("fla") is not None:
         import fla.ops.common.chunk_o as fla_chunk_o
 
@@ -116,7 +117,7 @@ def _build_hf(config, state: dict, device):
     from transformers import Qwen3_5MoeForCausalLM
 
     config._attn_implementation = "sdpa"
-    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (ENVIRONMENT.md)
+    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (eager: ~40x slower)
     model = Qwen3_5MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     model.load_state_dict(state, strict=True)
     return model
@@ -240,6 +241,7 @@ def derived(case: dict, provider: str, mode: str, inputs: dict, ms: float, peak_
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 1024**3
     flops = forward_flops(inputs["ours"].arch, inputs["seqlens"]) * (TRAIN_FACTOR if mode == "fwd_bwd" else 1)
     row = {
+        "flops": flops,  # the step's model FLOPs (models/flops.py), the MFU numerator
         "tokens_per_s": tokens / (ms / 1e3),
         "mfu": flops / (ms / 1e3) / (PEAK_TFLOPS * 1e12),
         "peak_gib": weights + peak_extra_gib,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -76,7 +77,14 @@ def environment() -> dict:
     }
     versions["torch"] = torch.__version__
     versions["python"] = platform.python_version()
-    return {"device": kind, "device_name": name, "versions": versions, "git_sha": git_sha(), "source_sha": source_sha()}
+    return {
+        "device": kind,
+        "device_name": name,
+        "versions": versions,
+        "git_sha": git_sha(),
+        "source_sha": source_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _fmt(value) -> str:

@@ -1,4 +1,4 @@
-"""Images through our engines (issue 19): a vision-language checkpoint builds the whole model (tower +
+"""Images through our engines: a vision-language checkpoint builds the whole model (tower +
 text decoder) in both engines, verl's multimodal batches (`multi_modal_inputs` per sample, 4-row
 position ids) go through packing and micro-batching into the vision tower.
 

@@ -108,7 +108,7 @@ def test_bad_inputs_raise():
 
 
 def test_reference_empty_sequences_and_no_tokens():
-    """Issue 13: an empty packed sequence, or T == 0, gives the correct (empty) result and gradients."""
+    """An empty packed sequence, or T == 0, gives the correct (empty) result and gradients."""
     lengths = [3, 0, 7]
     x = torch.randn(1, 10, C, dtype=torch.float64, requires_grad=True)
     w = torch.randn(C, W, dtype=torch.float64, requires_grad=True)

@@ -110,7 +110,7 @@ def test_shapes_match_fp64(moe_experts, shape):
 
 @by_impl
 def test_no_tokens(moe_experts):
-    """N = 0 (an expert-parallel rank can receive no token, issue 13): empty output, zero gradients of
+    """N = 0 (an expert-parallel rank can receive no token): empty output, zero gradients of
     the same shapes for every input."""
     h, gu, dn, idx, w = inputs(n=0)
     args = [t.clone().requires_grad_() for t in (h, gu, dn, w)]

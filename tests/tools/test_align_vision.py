@@ -1,4 +1,4 @@
-"""`verl-moe align` on the vision-language preset (issue 19): images in the RL stream as verl's agent
+"""`verl-moe align` on the vision-language preset: images in the RL stream as verl's agent
 loop lays them out (placeholders in the prompt, `multi_modal_inputs` per sample, 4-row position ids),
 through the fp64 reference and the engines.
 

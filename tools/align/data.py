@@ -159,7 +159,7 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("tiny-qwen3.5-moe", "qwen3_5_moe", _TINY_Q35),
         Preset("tiny-qwen3-moe", "qwen3_moe", _TINY_Q3),
-        Preset(  # issue 19: images in the stream (a text prompt among them: ranks without images too)
+        Preset(  # images in the stream (a text prompt among them: ranks without images too)
             "tiny-qwen3.5-moe-vl",
             "qwen3_5_moe_vl",
             _TINY_Q35_VL,
@@ -173,7 +173,7 @@ PRESETS: dict[str, Preset] = {
             needs_gpu=True,
             world_size=1,
         ),
-        Preset(  # issue 18: K=40 GRPO steps for four backends in one 10-minute H200 call
+        Preset(  # sized so K=40 GRPO steps of four backends sharing one H200 take under 10 minutes
             "mid-qwen3.5-moe",
             "qwen3_5_moe",
             _MID_Q35,

@@ -57,6 +57,7 @@ REPORT_SCHEMA: dict = {
         "versions": {"type": "object", "additionalProperties": {"type": ["string", "null"]}},
         "git_sha": {"type": ["string", "null"]},
         "source_sha": {"type": "string"},
+        "date": {"type": "string"},  # UTC, ISO 8601
         "config": {"type": "object"},
         "model": {
             "type": "object",
