@@ -1,0 +1,408 @@
+"""Write BENCHMARKS.md from the reports in results/ (its only input; stdlib only, so it runs anywhere).
+
+    python scripts/benchmarks_md.py            # rewrite BENCHMARKS.md
+    python scripts/benchmarks_md.py --check    # exit 1 when BENCHMARKS.md is not what results/ gives
+
+Each `results/*.json` is one report, as the tools write it (`verl-moe bench ... --json F`, `verl-moe align
+--out DIR` -> DIR/report.json) or as `benchmarks/grpo.sh` writes it for a verl `main_ppo` run (its per-step
+metrics in the JSONL file the record names). Every report carries argv, versions, device, date and the code
+it ran (`git_sha`, `source_sha`; `code_commit` where the recorded git sha was of a stale copy of the tree).
+A report this script does not recognise is an error, so results/ holds nothing that BENCHMARKS.md omits.
+
+Tables: one per op (`tool: bench`, every op but `model`), the model step (`op: model`, cases without
+`-ckpt`), memory (`op: model`, the `-ckpt` cases), the rollout (`tool: main_ppo`) and alignment
+(`tool: align`). Each table is followed by the command(s) that reproduce it and where they ran. Current
+numbers only: a new measurement replaces the report it supersedes (same file name); history is git's.
+Supporting logs that docs/ cite (profiles, memory-peak replays) sit in results/logs/ and are not read here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+OUT = ROOT / "BENCHMARKS.md"
+
+OP_TITLES = {
+    "gdn": "gdn: chunked gated delta rule (H=16 q/k heads, HV=32 value heads, K=V=128; q/k l2-normalised in the op)",
+    "norm": "norm: RMSNorm variants (residual add + (1+w) norm; q-norm on the strided q_proj view; gated)",
+    "rope": "rope: q (strided) and k rotated in one launch, partial rotary",
+    "conv1d": "conv1d: depthwise causal conv + SiLU over packed sequences",
+    "router": "router: fp32 gate logits, softmax, top-k, renormalisation",
+    "attention": "attention: packed causal GQA attention (H16 / HKV2, K=256)",
+    "experts": "experts: routed SwiGLU experts (token moves + grouped GEMM)",
+    "logprob": "logprob: LM head + temperature + log-prob + entropy without [N, VOCAB] logits",
+}
+VERSION_KEYS = ("torch", "triton", "transformers", "verl", "fla-core", "liger-kernel", "veomni", "megatron-core", "ray")
+
+
+# ---- formatting ---------------------------------------------------------------------------------------
+
+
+def num(v, digits: int = 4) -> str:
+    """A measured number for a table: thousands separators above 1000, else `digits` significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:.{digits - 2}e}"
+    return f"{v:.{digits}g}"
+
+
+def sci(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2e}"
+
+
+def pct(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return "0" if v == 0 else f"{100 * v:.{1 if 100 * v >= 0.1 else 3}f}%"
+
+
+def cosine(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"1-{1 - v:.1e}" if v > 0.999 else f"{v:.4f}"
+
+
+def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    sep = ["---:" if i in right else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- what every report says about itself --------------------------------------------------------------
+
+
+def command(report: dict, name: str) -> str:
+    """The report's argv as a command that writes the same report again, into results/."""
+    argv = list(report["argv"])
+    if report["tool"] == "main_ppo":
+        return " ".join(shlex.quote(a) for a in ["python", *argv])
+    argv[0] = "verl-moe"
+    for flag, value in (("--json", f"results/{name}.json"), ("--out", f"align_out/{name}")):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def environment(report: dict) -> str:
+    """Device, date and versions of one report."""
+    versions = report.get("versions", {})
+    parts = [f"{k} {versions[k]}" for k in VERSION_KEYS if versions.get(k)]
+    return f"{report['device_name']}, {report['date']}; {', '.join(parts)}"
+
+
+def code(report: dict) -> str:
+    """The code a report ran: the commit (`code_commit`, else the recorded git sha) and the sources' hash."""
+    if report.get("code_commit"):
+        text = f"commit {report['code_commit'][:7]}"
+    elif report.get("git_sha"):
+        text = f"git sha {report['git_sha'][:7]} as recorded"
+    else:
+        text = "git sha not recorded"
+    return text + (f", sources {report['source_sha']}" if report.get("source_sha") else "")
+
+
+def footer(reports: list[tuple[str, dict]]) -> str:
+    """The commands that reproduce a table, then where and on what code they ran."""
+    lines = ["Reproduce:", "", "```bash"]
+    for name, rep in reports:
+        if rep["tool"] == "main_ppo" and rep.get("setup_argv"):
+            lines.append(" ".join(shlex.quote(a) for a in ["python", *rep["setup_argv"]]))
+        lines.append(command(rep, name))
+    lines += ["```", ""]
+    envs: dict[str, dict[str, list[str]]] = {}
+    for name, rep in reports:
+        envs.setdefault(environment(rep), {}).setdefault(code(rep), []).append(name)
+    for env, codes in envs.items():
+        if len(codes) == 1:
+            where = f"code: {next(iter(codes))}"
+        else:
+            where = "; ".join(f"code of {', '.join(f'`{n}`' for n in names)}: {c}" for c, names in codes.items())
+        lines.append(f"Measured on {env}; {where}.")
+    return "\n".join(lines)
+
+
+# ---- sections -----------------------------------------------------------------------------------------
+
+
+def _ours(row: dict) -> str | None:
+    key = next((k for k in row if k.startswith("ratio_") and k.endswith("_over_this")), None)
+    return key[len("ratio_") : -len("_over_this")] if key else None
+
+
+def op_section(op: str, reports: list[tuple[str, dict]]) -> str:
+    rows = [r for _, rep in reports for r in rep["rows"]]
+    ours = _ours(rows[0]) or "ours"
+    kernels = any(r.get("kernel_ms") is not None and not math.isnan(r["kernel_ms"]) for r in rows)
+    header = ["case", "mode", "provider", "ms"] + (["kernel ms"] if kernels else [])
+    header += ["peak above inputs GiB", "rel-RMS vs reference", "check", f"{ours} ms / this ms"]
+    if kernels:
+        header.append(f"{ours} kernel ms / this")
+    body = []
+    for r in rows:
+        line = [r["case"], r["mode"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"], num(r["ms"])]
+        if kernels:
+            line.append(num(r.get("kernel_ms")))
+        line += [num(r["peak_extra_gib"], 3), sci(r["rel_rms_vs_ref"]), num(r["check_ok"])]
+        line.append(num(r.get(f"ratio_{ours}_over_this"), 3))
+        if kernels:
+            line.append(num(r.get(f"kernel_ratio_{ours}_over_this"), 3))
+        body.append(line)
+    right = {i for i, h in enumerate(header) if h not in ("case", "mode", "provider")}
+    skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
+    note = "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
+    return f"### {OP_TITLES.get(op, op)}\n\n{table(header, body, right)}{note}\n\n{footer(reports)}"
+
+
+def _mfu_header(rows: list[dict]) -> str:
+    # Rows with `flops` divide models/flops.py's count; older rows divided 6 x active parameters x tokens.
+    return "MFU (model FLOPs)" if all("flops" in r for r in rows) else "MFU (6·N·T)"
+
+
+def model_section(reports: list[tuple[str, dict]]) -> str:
+    rows = [r for _, rep in reports for r in rep["rows"]]
+    ours = _ours(rows[0]) or "ours"
+    header = ["case", "provider", "ms", "kernel ms", "tokens/s", _mfu_header(rows), "peak GiB", "loss rel. diff"]
+    header.append(f"{ours} ms / this ms")
+    body = [
+        [
+            r["case"],
+            f"**{r['provider']}**" if r["provider"] == ours else r["provider"],
+            num(r["ms"]),
+            num(r.get("kernel_ms")),
+            num(r["tokens_per_s"]),
+            pct(r["mfu"]),
+            num(r["peak_gib"], 3),
+            sci(r["rel_rms_vs_ref"]),
+            num(r.get(f"ratio_{ours}_over_this"), 3),
+        ]
+        for r in rows
+    ]
+    right = set(range(2, len(header)))
+    return f"{table(header, body, right)}\n\n{footer(reports)}"
+
+
+def _units(row: dict) -> str:
+    units = row.get("checkpoint_units") or ("tiles" if row.get("offload") else "layer")
+    return "16,384-token tiles" if units == "tiles" else "per layer"
+
+
+def memory_section(reports: list[tuple[str, dict]]) -> str:
+    header = ["tokens", "checkpoint units", "offload", "step ms", "activation peak GiB", "peak GiB", "host GiB"]
+    header += ["tokens/s", "report"]
+    body = []
+    for name, rep in reports:
+        for r in rep["rows"]:
+            tokens = r["case"].split("-T")[-1].split("-")[0]
+            body.append(
+                [
+                    num(int(tokens)),
+                    _units(r),
+                    num(bool(r.get("offload"))).replace("**no**", "no"),
+                    num(r["ms"]),
+                    num(r["peak_extra_gib"], 3),
+                    num(r["peak_gib"], 3),
+                    num(r.get("host_gib", 0.0), 3),
+                    num(r["tokens_per_s"]),
+                    f"`{name}`",
+                ]
+            )
+    right = {0, 3, 4, 5, 6, 7}
+    return f"{table(header, body, right)}\n\n{footer(reports)}"
+
+
+def rollout_section(reports: list[tuple[str, dict]]) -> str:
+    parts = []
+    header = ["step", "generation s", "generation tokens/s", "response length", "old log-prob s", "reference s"]
+    header += ["actor update s", "update tokens/s", "step s", "rollout probs diff (mean)", "trainer peak GiB"]
+    for _, rep in reports:
+        steps = [json.loads(line) for line in (RESULTS / rep["metrics"]).read_text().splitlines() if line.strip()]
+        body = []
+        for s in steps:
+            d = s["data"]
+            if "timing_s/gen" not in d:
+                continue
+            body.append(
+                [
+                    str(s["step"]),
+                    num(d["timing_s/gen"]),
+                    num(1000 / d["timing_per_token_ms/gen"]),
+                    num(d["response_length/mean"]),
+                    num(d.get("timing_s/old_log_prob")),
+                    num(d.get("timing_s/ref")),
+                    num(d["timing_s/update_actor"]),
+                    num(1000 / d["timing_per_token_ms/update_actor"]),
+                    num(d["timing_s/step"]),
+                    sci(d.get("training/rollout_probs_diff_mean")),
+                    num(d.get("actor/perf/max_memory_allocated_gb"), 3),
+                ]
+            )
+        parts.append(table(header, body, set(range(len(header)))))
+    return "\n\n".join(parts) + f"\n\n{footer(reports)}"
+
+
+def align_section(name: str, rep: dict) -> str:
+    golden = rep["golden"]
+    backends = {b["label"]: b for b in rep["backends"]}
+
+    def same_precision(a: str, b: str) -> bool:
+        x, y = backends[a], backends[b]
+        return (x["dtype"], x["router_dtype"]) == (y["dtype"], y["router_dtype"])
+
+    pairs = [p for p in rep["pairs"] if p["a"] == golden] + [
+        p for p in rep["pairs"] if p["a"] != golden and same_precision(p["a"], p["b"])
+    ]
+    last = rep["config"]["steps"] - 1
+    header = ["pair", "dtype / router", "mean \\|Δlogp\\| @0", "max \\|Δlogp\\| @0", "router flips @0"]
+    header += ["min grad cos @0", f"mean \\|Δlogp\\| @{last}", f"flips @{last}", "first step out of tol.", "ok"]
+    body = []
+    for p in pairs:
+        b, s0, end = backends[p["b"]], p["one_step"], p["curves"][-1]
+        body.append(
+            [
+                f"{p['b']} vs {p['a']}",
+                f"{b['dtype']} / {b['router_dtype']}",
+                sci(s0["logp_abs_diff_mean"]),
+                sci(s0["logp_abs_diff_max"]),
+                pct(s0["router_flip_rate"]),
+                cosine(s0["grad_cosine_min"]),
+                sci(end["logp_abs_diff_mean"]),
+                pct(end["router_flip_rate"]),
+                "-" if p["first_divergence_step"] is None else str(p["first_divergence_step"]),
+                num(p["ok"]),
+            ]
+        )
+    model = rep["model"]
+    stream = rep["stream"]
+    title = (
+        f"### `{model['preset'] or model['path']}` ({model['model_type']}, {num(model['num_parameters'])} parameters), "
+        f"K={rep['config']['steps']}"
+    )
+    what = (
+        f"{sum(stream['sequences'])} sequences, {num(sum(stream['tokens']))} tokens over the steps; "
+        f"golden `{golden}`; {len(rep['pairs'])} pairs in the report, here those against the golden and "
+        f"those of two backends at the same precision. Report: `results/{name}.json` (the `--out` folder's "
+        f"report.json); plot: `results/{name}.png`."
+    )
+    return f"{title}\n\n{what}\n\n{table(header, body, set(range(2, len(header))))}\n\n{footer([(name, rep)])}"
+
+
+# ---- the page -----------------------------------------------------------------------------------------
+
+HEAD = """# Benchmarks
+
+Generated by `python scripts/benchmarks_md.py` from the reports in `results/`; do not edit by hand.
+How the numbers are measured, what each column means and how to add a report: `docs/benchmarking.md`.
+Current numbers only: a new measurement replaces the report it supersedes; earlier ones are in git
+history. Every table ends with the command that reproduces it and the device, date, versions and code
+it ran on. Ratios compare providers measured in the same process."""
+
+
+def natural(path: Path) -> list:
+    """Sort key: digit runs compare as numbers (T4096 before T16384)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.stem)]
+
+
+def load() -> dict[str, dict]:
+    reports = {}
+    for path in sorted(RESULTS.glob("*.json"), key=natural):
+        rep = json.loads(path.read_text())
+        kind = rep.get("tool")
+        if kind not in ("bench", "align", "main_ppo") or "argv" not in rep or "date" not in rep:
+            raise SystemExit(f"{path}: not a report (needs tool bench / align / main_ppo, argv and date)")
+        if kind == "main_ppo" and not (RESULTS / rep["metrics"]).is_file():
+            raise SystemExit(f"{path}: its metrics file results/{rep['metrics']} is missing")
+        reports[path.stem] = rep
+    return reports
+
+
+def render(reports: dict[str, dict]) -> str:
+    bench = [(n, r) for n, r in reports.items() if r["tool"] == "bench"]
+    ops = [(n, r) for n, r in bench if r["op"] != "model"]
+    model = [(n, r) for n, r in bench if r["op"] == "model"]
+    step = [(n, r) for n, r in model if not any(row["case"].endswith("-ckpt") for row in r["rows"])]
+    memory = [(n, r) for n, r in model if (n, r) not in step]
+    rollout = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo"]
+    align = [(n, r) for n, r in reports.items() if r["tool"] == "align"]
+
+    sections = [
+        HEAD,
+        "## Ops",
+        "Forward + backward unless the mode says `fwd`; bf16 inputs; median of the timed calls.",
+    ]
+    measured = [op for op in OP_TITLES if any(r["op"] == op for _, r in ops)]
+    others = sorted({r["op"] for _, r in ops} - set(OP_TITLES))
+    for op in measured + others:
+        sections.append(op_section(op, [(n, r) for n, r in ops if r["op"] == op]))
+    missing = [op for op in OP_TITLES if op not in measured]
+    if missing:
+        names = ", ".join(f"`{op}`" for op in missing)
+        sections.append(f"No report in results/ yet for {names}: `bash benchmarks/ops.sh` writes them.")
+    if step:
+        sections += [
+            "## Model step",
+            "One training step (forward, next-token log-prob loss, backward) of the reduced Qwen3.5-MoE "
+            "(`models/bench.py::reduced_config(8)`: hidden 2048, 6 GatedDeltaNet + 2 attention layers, 64 experts "
+            "top-8 + shared expert, vocabulary 248,320), bf16, every provider from the same weights in one process. "
+            "Peak = the provider's weights + the step's peak above them. MFU divides by 790 TFLOP/s (a measured "
+            "dense bf16 rate); the column says which FLOP count the report used (docs/benchmarking.md).",
+            model_section(step),
+        ]
+    if memory:
+        sections += [
+            "## Memory: long sequences, checkpointing and activation offload",
+            "The same reduced model, one sequence, activation checkpointing; the step keeps its gradients between "
+            "steps (zeroed in place), so the activation peak is the step's peak above the weights and their "
+            "gradients. Each row is its own process (one report each).",
+            memory_section(memory),
+        ]
+    if rollout:
+        sections += [
+            "## Rollout: GRPO through verl's main_ppo with our engine and our rollout",
+            "`recipe/tiny_cpu` with `platform=gpu_single` (trainer and rollout share one GPU) on the reduced "
+            "Qwen3.5-MoE with 4 layers (`scripts/toy_rl.py --model-size reduced`), scripts/toy_rl.py's arith task, "
+            "32 prompts x 8 samples per step, responses up to 256 tokens, fp32 master weights with bf16 compute, "
+            "bf16 reference and rollout. Step 1 includes the first Triton compiles and autotuning.",
+            rollout_section(rollout),
+        ]
+    if align:
+        sections += [
+            "## Alignment",
+            "`verl-moe align`: the same weights and batches through each backend; step-0 metrics and the last "
+            "step of the K-step curves (docs/align.md reads them).",
+        ]
+        sections += [align_section(n, r) for n, r in align]
+    return "\n\n".join(sections) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with BENCHMARKS.md instead of writing it")
+    args = parser.parse_args()
+    text = render(load())
+    if args.check:
+        if OUT.read_text() != text:
+            print("BENCHMARKS.md is not what results/ gives: run python scripts/benchmarks_md.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
