@@ -10,7 +10,7 @@ OUT/data/{train,val}.parquet in verl's RLHF format (`prompt` as chat messages, `
 metrics in OUT/<recipe>.jsonl (verl's file logger). `--model-size reduced` writes the benchmarks'
 reduced Qwen3.5-MoE instead (`reduced_config`: 4 layers, bf16, on the GPU when there is one) and
 `--platform gpu_single` runs on one GPU (`platform=gpu_single`, VERL_PLATFORM left unset):
-`scripts/device/grpo_h200.sh`. Tasks:
+`benchmarks/grpo.sh`. Tasks:
 
 - `arith` (default): "a+b=" questions, ground truth the sum; reward 1 for a response that starts
   with the sum, else the share of its characters that are ASCII digits (partial credit for

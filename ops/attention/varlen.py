@@ -34,7 +34,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 LONG_SEQUENCE = 4096
 # The long-sequence SDPA's backend order: cuDNN takes the HKV key/value heads as they are (enable_gqa),
 # as fast as on K/V repeated to H heads, for 0.44 GiB less (fwd+bwd, 32,768 tokens, H16/HKV2/K256 bf16
-# on the H200: 71.2 vs 72.0 ms, +1.32 vs +1.75 GiB; scripts/device/attention_memory.py); flash takes
+# on the H200: 71.2 vs 72.0 ms, +1.32 vs +1.75 GiB; benchmarks/attention_memory.py); flash takes
 # GQA too but is 1.6x slower there; the rest for what both refuse (e.g. cuDNN under deterministic mode).
 LONG_SEQUENCE_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,

@@ -1,10 +1,11 @@
-"""What is alive at the peak of one training step of the bench's reduced Qwen3.5-MoE (issue 17).
+"""What is alive at the peak of one training step of the bench's reduced Qwen3.5-MoE (CUDA).
 
-    python scripts/device/memory_peak.py TOKENS [--offload] [--units layer|tiles] [--json F]
+    python benchmarks/memory_peak.py TOKENS [--offload] [--units layer|tiles] [--json F]
 
 Records the CUDA allocator's history (python stacks) over one checkpointed forward + log-prob loss +
 backward, replays it to the moment of the highest allocated total, and groups the blocks alive then by
-the innermost frame inside this repo (file:line function), largest first, in GiB and bytes per token.
+the innermost frame inside the verl_moe package (file:line function), largest first, in GiB and bytes
+per token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections import defaultdict
 import torch
 from verl_moe.models import bench
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the package's root (a checkout's root, or site-packages/verl_moe): frames under it are ours
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
 
 
 def where(frames) -> str:
@@ -25,7 +27,7 @@ def where(frames) -> str:
         name = f.get("filename", "")
         if name.startswith(REPO) and "memory_peak" not in name:
             return f"{os.path.relpath(name, REPO)}:{f['line']} {f['name']}"
-    return "(outside the repo)"
+    return "(outside verl_moe)"
 
 
 def peak_composition(snapshot) -> tuple[int, dict, list[str]]:
@@ -38,7 +40,7 @@ def peak_composition(snapshot) -> tuple[int, dict, list[str]]:
                 site = where(e.get("frames", []))
                 live[e["addr"]] = (e["size"], site)
                 total += e["size"]
-                if site != "(outside the repo)" and (not recent or recent[-1] != site):
+                if site != "(outside verl_moe)" and (not recent or recent[-1] != site):
                     recent = (recent + [site])[-6:]
             elif e["action"] in ("free_requested",) and e["addr"] in live:
                 total -= live.pop(e["addr"])[0]

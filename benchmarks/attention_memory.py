@@ -1,9 +1,9 @@
-"""Long-sequence causal GQA attention on the H200: time and memory of the ways to run it (issue 17).
+"""Long-sequence causal GQA attention on a CUDA GPU: time and memory of the ways to run it.
 
-    python scripts/device/attention_memory.py [--tokens 32768] [--json F]
+    python benchmarks/attention_memory.py [--tokens 32768] [--json F]
 
 Qwen3.5-MoE's attention shapes (16 query heads, 2 key/value heads, head dim 256, bf16), one sequence,
-forward + backward. Rows: the model's path today (K/V repeated to 16 heads, SDPA: cuDNN on Hopper),
+forward + backward. Rows: K/V repeated to 16 heads then SDPA (cuDNN on Hopper),
 SDPA with enable_gqa under each backend, flash attention's varlen kernel (native GQA), and the last
 half of the queries against all keys (a query tile: causal from the bottom right) through flash
 varlen and SDPA with a lower-right causal bias. Each row: median ms of 5, the peak allocated above

@@ -1,6 +1,6 @@
 """Profile one training step of the reduced Qwen3.5-MoE (ours) on a GPU: top CUDA kernels and their share.
 
-python3 scripts/device/profile_step.py [tokens] [sequences]   (needs the checkout importable as verl_moe)
+python benchmarks/profile_step.py [tokens] [sequences]
 """
 
 import sys
