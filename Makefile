@@ -40,3 +40,11 @@ test: lint
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# The GPU suite on a CUDA (or NPU) machine: every `gpu` test, in the Python environment that has the package
+# and its test extra (`pip install -e '.[bench,test]'`; not .venv, which holds torch's CPU wheel). Tests that
+# need what the machine lacks (Ray, our cpu platform, an optional package) skip with the reason.
+.PHONY: test-gpu
+GPU_PYTHON ?= python
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu tests
