@@ -147,14 +147,20 @@ def _ours(row: dict) -> str | None:
 
 def op_section(op: str, reports: list[tuple[str, dict]]) -> str:
     rows = [r for _, rep in reports for r in rep["rows"]]
+    names = [name for name, rep in reports for _ in rep["rows"]]
     ours = _ours(rows[0]) or "ours"
     kernels = any(r.get("kernel_ms") is not None and not math.isnan(r["kernel_ms"]) for r in rows)
+    # a case measured by two reports (a repeat of some cases): each row names its report
+    keys = [(r["case"], r["mode"], r["provider"]) for r in rows]
+    by_report = len(set(keys)) < len(keys)
     header = ["case", "mode", "provider", "ms"] + (["kernel ms"] if kernels else [])
     header += ["peak above inputs GiB", "rel-RMS vs reference", "check", f"{ours} ms / this ms"]
     if kernels:
         header.append(f"{ours} kernel ms / this")
+    if by_report:
+        header.append("report")
     body = []
-    for r in rows:
+    for r, name in zip(rows, names):
         line = [r["case"], r["mode"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"], num(r["ms"])]
         if kernels:
             line.append(num(r.get("kernel_ms")))
@@ -162,8 +168,10 @@ def op_section(op: str, reports: list[tuple[str, dict]]) -> str:
         line.append(num(r.get(f"ratio_{ours}_over_this"), 3))
         if kernels:
             line.append(num(r.get(f"kernel_ratio_{ours}_over_this"), 3))
+        if by_report:
+            line.append(f"`{name}`")
         body.append(line)
-    right = {i for i, h in enumerate(header) if h not in ("case", "mode", "provider")}
+    right = {i for i, h in enumerate(header) if h not in ("case", "mode", "provider", "report")}
     skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
     note = "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
     return f"### {OP_TITLES.get(op, op)}\n\n{table(header, body, right)}{note}\n\n{footer(reports)}"
