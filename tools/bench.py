@@ -1,7 +1,7 @@
 """`verl-moe bench <op>`: every provider of one op in one process, as ratios.
 
 Each `verl_moe.ops.<op>.bench` module declares CASES, PROVIDERS, REFERENCE, MODES, TOLERANCE
-and the functions `unavailable`, `make_inputs`, `run` (see STYLE.md §11); optionally OPTIONS (the keys
+and the functions `unavailable`, `make_inputs`, `run` (docs/benchmarking.md); optionally OPTIONS (the keys
 `BenchConfig.extra` may set on every case, e.g. the model step's `offload`) and, per case, `providers`
 (the only ones that run it). Per case and mode:
 untimed warm-up (compile, autotune), a correctness check of every provider against REFERENCE,

@@ -1,4 +1,4 @@
-"""Static check of the triton-ascend rules (DESIGN.md) over every Triton kernel under verl_moe.ops.
+"""Static check of the triton-ascend rules (docs/ops.md) over every Triton kernel under verl_moe.ops.
 
 Each module that defines kernels publishes `KERNEL_LAUNCHES = {kernel name: spec}`, where spec holds
 the values its launcher really uses: "configs" (the autotune list; the first one under the
