@@ -22,9 +22,9 @@ if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Imports that need verl (and its Ray / TransferQueue / Hydra stack): verl itself and our engines and tools. A
+# Top-level imports that need verl (and its Ray / TransferQueue / Hydra stack): verl, our engines and tools. A
 # GPU machine with only torch, Triton and transformers still runs every ops / models test.
-_NEEDS_VERL = re.compile(r"^\s*(?:from|import)\s+(?:verl|verl_moe\.engines|verl_moe\.tools|hydra|omegaconf)\b", re.M)
+_NEEDS_VERL = re.compile(r"^(?:from|import)\s+(?:verl|verl_moe\.engines|verl_moe\.tools|hydra|omegaconf)\b", re.M)
 _VERL_MISSING = importlib.util.find_spec("verl") is None
 
 
