@@ -133,7 +133,7 @@ def test_tiny_recipes_fit_a_small_cpu_machine(recipe):
 def test_vllm_recipe_is_tiny_cpu_with_verls_vllm_rollout():
     """recipe/tiny_cpu_vllm repeats tiny_cpu's trainer side (Hydra lets only the primary config set the
     search path): everything but the rollout and the experiment name must stay equal; the rollout fits a
-    CPU host (one replica per rank, no sleep mode, each replica reserving a small share of host memory)."""
+    CPU host (one replica per rank, no sleep mode, a small explicit KV cache per replica)."""
     from omegaconf import OmegaConf
 
     vllm, tiny = (OmegaConf.to_container(_compose(r)) for r in ("tiny_cpu_vllm", "tiny_cpu"))
@@ -143,7 +143,8 @@ def test_vllm_recipe_is_tiny_cpu_with_verls_vllm_rollout():
     assert vllm == tiny
     assert (rollout["name"], rollout["tensor_model_parallel_size"]) == ("vllm", 1)
     assert not rollout["enable_sleep_mode"] and not rollout["free_cache_engine"] and rollout["calculate_log_probs"]
-    assert vllm["trainer"]["n_gpus_per_node"] * rollout["gpu_memory_utilization"] <= 0.1
+    kv_bytes = rollout["engine_kwargs"]["vllm"]["kv_cache_memory_bytes"]
+    assert vllm["trainer"]["n_gpus_per_node"] * kv_bytes <= 2**30
 
 
 def _check_run(steps: dict, n_steps: int) -> None:

