@@ -36,7 +36,7 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
             )
         with torch.no_grad():
             for param in (layer.w13_weight, layer.w2_weight):
-                param.copy_(cpu_prepack_moe_weight(param.data.clone(), experts.isa))
+                param.copy_(cpu_prepack_moe_weight(param.data, experts.isa))  # writes a new tensor
         repacked += 1
     return repacked
 
