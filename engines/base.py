@@ -2,7 +2,7 @@
 
 Both engines (`engines/fsdp2.py`, `engines/veomni.py`) are this class plus what differs between them:
 the parallel layout (`_build_parallel_layout`: meshes, data-parallel group, Ulysses and expert groups),
-how the experts shard (`_expert_plan`, for `models/parallelize.py`), the optimizer and the LR schedule.
+how the experts shard (`_expert_plan`, for `models/fsdp_plan.py`), the optimizer and the LR schedule.
 Everything else is here, in verl's method order: build (spec on the meta device, sharded, weights
 broadcast from rank 0), train / eval contexts, optimizer and schedule steps, the micro-batch loop with
 the loss call (`forward_backward_batch`), weights out (`engines/export.py`), placement and checkpoints
@@ -41,7 +41,7 @@ from verl_moe.engines.config import (
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.models import build, from_pretrained, lora
-from verl_moe.models.parallelize import (
+from verl_moe.models.fsdp_plan import (
     OFFLOAD_TILE_TOKENS,
     ExpertPlan,
     FsdpPlan,
@@ -107,11 +107,11 @@ class MoeEngineBase(BaseEngine):
 
     def _build_parallel_layout(self, world_size: int) -> None:
         """Set `mesh` (what FSDP shards over), `dp_group` / `dp_rank`, `sequence_parallel` (a
-        `models.parallel.UlyssesGroup` or None) and `expert_parallel` (an `ExpertParallelGroup` or None)."""
+        `models.process_groups.UlyssesGroup` or None) and `expert_parallel` (an `ExpertParallelGroup` or None)."""
         raise NotImplementedError
 
     def _expert_plan(self) -> ExpertPlan | None:
-        """How the experts shard (`models/parallelize.py`); None: with their decoder layer."""
+        """How the experts shard (`models/fsdp_plan.py`); None: with their decoder layer."""
         raise NotImplementedError
 
     def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -170,7 +170,7 @@ class MoeEngineBase(BaseEngine):
         )
 
     def _shard(self, module: LogProbModel) -> None:
-        """fully_shard as `models/parallelize.py` lays the model out, with this engine's mesh and dtypes."""
+        """fully_shard as `models/fsdp_plan.py` lays the model out, with this engine's mesh and dtypes."""
         layout = self.layout
         offload = CPUOffloadPolicy(pin_memory=device.is_accelerator()) if layout.fsdp_cpu_offload else OffloadPolicy()
         plan = FsdpPlan(

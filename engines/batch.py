@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
-from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.models.process_groups import UlyssesGroup
 from verl_moe.ops import device
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.

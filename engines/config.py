@@ -18,8 +18,8 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.config import FSDPEngineConfig, VeOmniEngineConfig
 from verl_moe.models import ArchConfig, OpsConfig, build, get_spec
 from verl_moe.models.activation_offload import select_layers
+from verl_moe.models.fsdp_plan import decoder_layer_names
 from verl_moe.models.lora import ALL_LINEAR, LoraSettings, resolve_targets
-from verl_moe.models.parallelize import decoder_layer_names
 
 SERVED_STRATEGIES = ("fsdp", "fsdp2", "veomni")
 
@@ -182,7 +182,7 @@ def arch_config(hf_config) -> ArchConfig:
 def validate_engine_config(model_config, engine_config, world_size: int) -> None:
     """Raise ValueError on a configuration our engines cannot run, before any model is built. Tied word
     embeddings (hf_config.tie_word_embeddings) run with every layout: full or hybrid FSDP2 shard, expert
-    and Ulysses parallelism (the shared weight is one root-unit parameter, `models/parallelize.py`)."""
+    and Ulysses parallelism (the shared weight is one root-unit parameter, `models/fsdp_plan.py`)."""
     if engine_config.strategy not in SERVED_STRATEGIES:
         raise ValueError(
             f"unknown strategy {engine_config.strategy!r} for verl_moe; expected one of {SERVED_STRATEGIES}"

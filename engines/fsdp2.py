@@ -2,7 +2,7 @@
 
 Parallelism: one DeviceMesh over the world, 1-D ("fsdp") or, when `fsdp_size` is smaller than
 the world, 2-D ("ddp", "fsdp") = hybrid shard (replicate across groups, shard within). The
-units are `models/parallelize.py`'s: each decoder layer (activation checkpointing when the model
+units are `models/fsdp_plan.py`'s: each decoder layer (activation checkpointing when the model
 config asks for it), each MoE router in the master dtype (fp32), and the root (embeddings, final
 norm, lm_head), which wraps the fused log-prob head (`logprob_model.LogProbModel`) so the head sees
 unsharded weights.
@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 from verl.workers.config.optimizer import build_optimizer
 from verl_moe.engines.base import MoeEngineBase, trainable_parameters
-from verl_moe.models.parallel import UlyssesGroup
-from verl_moe.models.parallelize import ExpertPlan
+from verl_moe.models.fsdp_plan import ExpertPlan
+from verl_moe.models.process_groups import UlyssesGroup
 from verl_moe.ops import device
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from verl_moe.engines.batch import PackedBatch, slice_packed
-from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.models.process_groups import UlyssesGroup
 
 
 class LogProbModel(nn.Module):
@@ -21,7 +21,7 @@ class LogProbModel(nn.Module):
     forward(packed) -> (log_probs [T] fp32, entropy [T] fp32 or None). The head never builds the
     [T, VOCAB] logits; temperature scales the logits out of place inside the op. It reads
     `lm_head.weight`, which with tied word embeddings is the embedding's (one root-unit parameter,
-    `models/parallelize.py`), so its gradient adds to the embedding lookup's. A vision-language
+    `models/fsdp_plan.py`), so its gradient adds to the embedding lookup's. A vision-language
     model (`MoeVisionLM`) also gets the micro-batch's pixels and grids (`packed.media`); a text model
     given media raises ValueError.
     """

@@ -43,7 +43,7 @@ from verl.utils import tensordict_utils as tu
 from verl_moe.engines.batch import PackedBatch, sequence_shard, unpack_to_nested
 from verl_moe.models.causal_lm import DecoderLayer
 from verl_moe.models.layers import MoeBlock
-from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.models.process_groups import UlyssesGroup
 
 MODES = ("disabled", "R2", "R3")
 RECORD, REPLAY = "record", "replay"

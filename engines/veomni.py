@@ -27,8 +27,8 @@ from veomni.distributed import parallel_state as veomni_parallel_state
 from veomni.optim import build_lr_scheduler
 from verl.workers.config import VeOmniOptimizerConfig
 from verl_moe.engines.base import MoeEngineBase, trainable_parameters
-from verl_moe.models.parallel import ExpertParallelGroup, UlyssesGroup
-from verl_moe.models.parallelize import ExpertPlan
+from verl_moe.models.fsdp_plan import ExpertPlan
+from verl_moe.models.process_groups import ExpertParallelGroup, UlyssesGroup
 from verl_moe.ops import device
 
 

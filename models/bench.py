@@ -13,7 +13,7 @@ inputs is activation memory.
 decoder layer's saved tensors, its checkpoint units' inputs under checkpointing, go to pinned host memory
 and come back ahead of backward); rows then also carry the peak host memory the offload held (`host_gib`).
 With offload the `-ckpt` cases checkpoint inside each layer in 16,384-token tiles, as the engines do
-(`parallelize.checkpoint_in_tiles`); `--checkpoint-units layer|tiles` (the `checkpoint_units` option)
+(`fsdp_plan.checkpoint_in_tiles`); `--checkpoint-units layer|tiles` (the `checkpoint_units` option)
 picks the units either way, for the ablation, and `--tile-tokens N` (`tile_tokens`) the tile.
 
 Providers:
@@ -150,7 +150,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     """The step's batch and our model; VeOmni's and transformers' models are built from our weights on
     their first `run` (inside the untimed warm-up), so an unselected provider costs nothing."""
     from . import build
-    from .parallelize import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
+    from .fsdp_plan import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
 
     _allow_fla_backward_on_hopper()
     torch.manual_seed(0)

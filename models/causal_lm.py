@@ -25,7 +25,7 @@ from .qwen3_5_moe.model import GatedDeltaNet
 from .registry import ModelSpec, get_spec
 
 if TYPE_CHECKING:
-    from .parallel import ExpertParallelGroup, UlyssesGroup
+    from .process_groups import ExpertParallelGroup, UlyssesGroup
 
 logger = logging.getLogger(__name__)
 

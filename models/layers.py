@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from .arch import ArchConfig
 
 if TYPE_CHECKING:
-    from .parallel import ExpertParallelGroup, UlyssesGroup
+    from .process_groups import ExpertParallelGroup, UlyssesGroup
 
 
 @dataclass(frozen=True)

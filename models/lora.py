@@ -10,7 +10,7 @@ An adapted weight W [out, in] gains factors A [r, in] (Kaiming-uniform, as peft)
   gate_up_proj [E, 2I, D] and / or down_proj [E, D, I]; each forward hands the grouped experts op the
   weights W + scale * B @ A of the experts this rank holds (one bmm per adapted weight). The factors are
   parameters of the experts module itself, so expert parallelism splits them over experts exactly as it
-  splits the expert weights (`parallelize.shard_experts` takes every parameter of the module).
+  splits the expert weights (`fsdp_plan.shard_experts` takes every parameter of the module).
 
 Names stay the base model's (`...q_proj.weight`, `...mlp.experts.gate_up_proj`); the adapters add
 `...q_proj.lora_A` / `lora_B` and `...mlp.experts.gate_up_proj_lora_A` / `_lora_B` (`peft_name` maps
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .fsdp_plan import decoder_layers
 from .layers import Experts
-from .parallelize import decoder_layers
 
 ALL_LINEAR = "all-linear"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")

@@ -10,7 +10,7 @@ RMSNorm with z = in_proj_z(x) and out_proj.
 Under Ulysses sequence parallelism (`MoeCausalLM.set_sequence_parallel`) the projections run on
 this rank's tokens, one all-to-all hands each rank whole sequences of a block of key and value
 heads, and the conv, the recurrence and the gated norm run there on the matching slices of
-conv1d.weight, A_log and dt_bias (see `verl_moe.models.parallel`).
+conv1d.weight, A_log and dt_bias (see `verl_moe.models.process_groups`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..arch import ArchConfig
 from ..layers import ResolvedOps, RMSNorm
 
 if TYPE_CHECKING:
-    from ..parallel import UlyssesGroup
+    from ..process_groups import UlyssesGroup
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class GatedDeltaNet(nn.Module):
         """x: [B, T, D] (B == 1 with cu_seqlens [N+1]); returns [B, T, D]. Under sequence
         parallelism T is this rank's share of the packed row and cu_seqlens describes the whole row.
 
-        With `checkpoint_tile_tokens` > 0 (set by `models/parallelize.checkpoint_in_tiles`) the mixer is
+        With `checkpoint_tile_tokens` > 0 (set by `models/fsdp_plan.checkpoint_in_tiles`) the mixer is
         its own activation-checkpoint unit, and a packed row longer than a tile runs as consecutive
         token tiles, each a unit: the recurrence's state and the conv's last inputs carry over, so
         backward recomputes and holds one tile at a time. One unit under SP (the all-to-all needs whole

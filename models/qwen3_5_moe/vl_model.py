@@ -60,7 +60,7 @@ class MoeVisionLM(nn.Module):
     def set_tower_every_forward(self, on: bool) -> None:
         """When on, every forward runs the vision tower once (images and videos in one pass), on a dummy
         image of one merge window where the batch has neither, adding its features times zero: a sharded
-        tower (its own FSDP units, `models/parallelize.py`) then all-gathers and reduce-scatters once per
+        tower (its own FSDP units, `models/fsdp_plan.py`) then all-gathers and reduce-scatters once per
         forward on every rank, whatever each rank's micro-batch holds."""
         self.tower_every_forward = on
 

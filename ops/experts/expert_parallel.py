@@ -14,7 +14,7 @@ Deterministic: stable sorts, no atomics. Works with any backend that implements 
 (NCCL, HCCL, gloo).
 
 The group `ep` is taken by duck type (`group`, `size`, `rank`, `weight_grad_scale`: the model layer's
-`verl_moe.models.parallel.ExpertParallelGroup`), so this op imports nothing above ops.
+`verl_moe.models.process_groups.ExpertParallelGroup`), so this op imports nothing above ops.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from engine_setup import tiny_config, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines import model_merger
-from verl_moe.models.parallelize import FsdpPlan, fully_shard_model
+from verl_moe.models.fsdp_plan import FsdpPlan, fully_shard_model
 
 # checkpoint name -> (tied lm_head, HF export in the checkpoint)
 SAVES = {"dcp_only": (False, False), "exported": (False, True), "tied": (True, False)}

@@ -11,7 +11,7 @@ from dist import spawn
 from engine_setup import make_batch
 from verl_moe.engines import batch
 from verl_moe.engines.batch import slice_packed
-from verl_moe.models.parallel import UlyssesGroup
+from verl_moe.models.process_groups import UlyssesGroup
 from verl_moe.ops.attention import causal_attention_ref
 
 

@@ -236,7 +236,7 @@ def test_ulysses_slicing_of_multimodal_rows(vl_model):
     from dataclasses import replace
 
     from verl_moe.engines.batch import pack_micro_batch, slice_packed
-    from verl_moe.models.parallel import UlyssesGroup
+    from verl_moe.models.process_groups import UlyssesGroup
 
     _, hf = vl_model
     # two sequences of equal length: torch then stores the nested 4-row ids with the rows ragged

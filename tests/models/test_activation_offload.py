@@ -20,7 +20,7 @@ from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
 from torch import nn
 from torch.distributed._composable import checkpoint
 from verl_moe.models.activation_offload import ActivationOffload, select_layers
-from verl_moe.models.parallelize import decoder_layers, offload_activations
+from verl_moe.models.fsdp_plan import decoder_layers, offload_activations
 from verl_moe.ops import device
 
 DEVICE = device.current_device()  # the offload moves what lives on this process's device (the host on CPU)

@@ -1,4 +1,4 @@
-"""Checkpointing inside the decoder layers in token tiles (`parallelize.checkpoint_in_tiles`), CPU, fp64.
+"""Checkpointing inside the decoder layers in token tiles (`fsdp_plan.checkpoint_in_tiles`), CPU, fp64.
 
 The GatedDeltaNet in tiles carries the recurrence's state and the conv's context across tile borders, so
 it must equal the untiled mixer (output and every gradient, fp64 round-off: the chunked recurrence
@@ -14,7 +14,7 @@ import torch
 import verl_moe.models as vm
 from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
 from torch.distributed._composable import checkpoint
-from verl_moe.models.parallelize import checkpoint_in_tiles, decoder_layers, offload_activations
+from verl_moe.models.fsdp_plan import checkpoint_in_tiles, decoder_layers, offload_activations
 from verl_moe.models.qwen3_5_moe.model import tile_span
 from verl_moe.ops.testing import assert_rel_rms
 

@@ -18,8 +18,8 @@ from dist import spawn
 from tiny_models import inputs, randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from torch.distributed.device_mesh import init_device_mesh
 from verl_moe.models import layers
+from verl_moe.models.fsdp_plan import FsdpPlan, fully_shard_model
 from verl_moe.models.layers import MoeBlock
-from verl_moe.models.parallelize import FsdpPlan, fully_shard_model
 from verl_moe.ops.testing import assert_rel_rms
 
 VIEW_WARNING = "returned a view tensor"

@@ -25,7 +25,7 @@ as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
   reduce-scatter); `check_tied_embeddings` refuses a layout that splits the pair over two units.
 
 Sequence parallelism shards no parameter: the model's token mixers take their head slices of the
-unsharded parameters inside each unit (`models/parallel.py`).
+unsharded parameters inside each unit (`models/process_groups.py`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .activation_offload import ActivationOffload, select_layers
 from .layers import Experts, MoeBlock, TopKRouter
-from .parallel import ExpertParallelGroup
+from .process_groups import ExpertParallelGroup
 
 
 @dataclass(frozen=True)

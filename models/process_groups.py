@@ -2,7 +2,7 @@
 
 Engines build them from their meshes (`engines/fsdp2.py`, `engines/veomni.py`) and hand them to the
 model (`MoeCausalLM.set_sequence_parallel`, `set_expert_parallel`); which submodules use them and how
-their parameters shard is `models/parallelize.py`. The ops take a group by duck type (`group`, `size`,
+their parameters shard is `models/fsdp_plan.py`. The ops take a group by duck type (`group`, `size`,
 `rank`; `weight_grad_scale` for the experts), so they need nothing from here.
 
 - `UlyssesGroup`: Ulysses sequence parallelism. Each rank of an SP group of size `sp` holds T/sp
