@@ -69,7 +69,7 @@ class _ModeCtx(BaseEngineCtx):
 
 class MoeEngineBase(BaseEngine):
     """verl engine for the model types of `verl_moe.models.SPECS` (a subclass is selected by
-    `engines/dispatch.py`).
+    `engines/selector.py`).
 
     Args (as verl passes them): model_config (HFModelConfig), engine_config, optimizer_config,
     checkpoint_config (CheckpointConfig or None); see each subclass for the config classes it takes.

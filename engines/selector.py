@@ -1,24 +1,28 @@
-"""`MoeEngineDispatch`: the EngineRegistry entry that picks our engine or verl's, per model type.
+"""`MoeEngineSelector`: the EngineRegistry entry that picks, per model type, our engine or verl's.
 
-verl calls `engine_cls(model_config=..., engine_config=..., optimizer_config=...,
-checkpoint_config=...)`. The dispatcher's `__new__` returns the engine chosen by
-`resolve_engine_class`, fully constructed (Python then skips the dispatcher's own `__init__`,
-since the object is not an instance of it). Imported by `plugin.register_engines` only after the
-cpu platform is registered, because importing `verl.workers.engine` resolves verl's platform.
+verl builds an engine as `engine_cls(model_config=..., engine_config=..., optimizer_config=...,
+checkpoint_config=...)` from the class its registry holds, and the registry accepts only `BaseEngine`
+subclasses. The choice needs `model_config` (its HF model type), which only that call brings, so the
+registered class is a factory: its `__new__` returns the chosen engine, fully constructed (Python then
+skips the selector's own `__init__`, since the object is not an instance of it). Imported by
+`plugin.register_engines` only after the cpu platform is registered, because importing
+`verl.workers.engine` resolves verl's platform.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
-from verl.utils.device import get_device_name
 from verl.workers.engine import BaseEngine, EngineRegistry
 
 logger = logging.getLogger(__name__)
 
 ROLE = "language_model"
 SERVED_BACKENDS = ("fsdp", "fsdp2", "veomni")
+
+# backend -> the engine verl's registry gives this process (its device and vendor) before ours is
+# registered: what every model type without a spec of ours gets. Filled by `record_verl_engines`.
+VERL_ENGINES: dict[str, type[BaseEngine]] = {}
 
 
 def supported_model_types() -> frozenset[str]:
@@ -28,19 +32,25 @@ def supported_model_types() -> frozenset[str]:
     return frozenset(SPECS)
 
 
-def engine_device() -> str:
-    """The device key verl's registry looks up (honouring VERL_ENGINE_DEVICE as verl does)."""
-    return os.environ.get("VERL_ENGINE_DEVICE") or get_device_name()
+def record_verl_engines() -> None:
+    """Note verl's own engine for each served backend (`EngineRegistry.get_engine_cls`, honouring
+    VERL_ENGINE_DEVICE / VERL_ENGINE_VENDOR as verl does). Called before our class is registered,
+    so the look-up cannot return it; a backend verl serves nothing for here (e.g. on the cpu
+    platform) stays absent."""
+    for backend in SERVED_BACKENDS:
+        try:
+            VERL_ENGINES[backend] = EngineRegistry.get_engine_cls(ROLE, backend)
+        except (AssertionError, ValueError):  # verl's "unknown backend" / "no engine for this device"
+            VERL_ENGINES.pop(backend, None)
 
 
-def resolve_engine_class(model_config, backend: str) -> type[BaseEngine]:
-    """The engine class that serves `model_config` for `backend` on this process's device.
+def select_engine_class(model_config, backend: str) -> type[BaseEngine]:
+    """The engine class that serves `model_config` for `backend` in this process.
 
     Ours when `model_config.hf_config.model_type` has a spec in `verl_moe.models.registry`
-    (`MoeVeOmniEngine` for "veomni", `MoeFsdp2Engine` for "fsdp" / "fsdp2");
-    otherwise verl's built-in engine under the device-only registry key. Raises ValueError
-    naming the model type when neither exists (e.g. a non-MoE model on the cpu platform,
-    where verl registers no FSDP engine) or when `backend` is not one we serve.
+    (`MoeVeOmniEngine` for "veomni", `MoeFsdp2Engine` for "fsdp" / "fsdp2"); otherwise verl's engine
+    (`VERL_ENGINES`). Raises ValueError naming the model type when neither exists (e.g. a non-MoE
+    model on the cpu platform, where verl registers no FSDP engine) or when `backend` is not one we serve.
     """
     if backend not in SERVED_BACKENDS:
         raise ValueError(f"verl_moe serves backends {list(SERVED_BACKENDS)}, got {backend!r}")
@@ -53,22 +63,20 @@ def resolve_engine_class(model_config, backend: str) -> type[BaseEngine]:
         from verl_moe.engines.fsdp2 import MoeFsdp2Engine
 
         return MoeFsdp2Engine
-    device = engine_device()
-    # Read-only look-up of verl's own entry: the device-only key, which we never write on cuda/npu.
-    builtin = EngineRegistry._engines.get(ROLE, {}).get(backend, {}).get(device)
-    if builtin is None or builtin is MoeEngineDispatch:
+    verl_engine = VERL_ENGINES.get(backend)
+    if verl_engine is None:
         raise ValueError(
             f"model type {hf_model_type!r} has no verl_moe spec (supported: {sorted(supported_model_types())}) "
-            f"and verl has no built-in {backend!r} engine on device {device!r}"
+            f"and verl has no built-in {backend!r} engine on this device"
         )
-    return builtin
+    return verl_engine
 
 
-class MoeEngineDispatch(BaseEngine):
-    """Constructs `resolve_engine_class(model_config, engine_config.strategy)` with verl's arguments."""
+class MoeEngineSelector(BaseEngine):
+    """Constructs `select_engine_class(model_config, engine_config.strategy)` with verl's arguments."""
 
     def __new__(cls, model_config, engine_config, optimizer_config, checkpoint_config):
-        engine_cls = resolve_engine_class(model_config, engine_config.strategy)
+        engine_cls = select_engine_class(model_config, engine_config.strategy)
         logger.info("verl_moe: %s (%s) -> %s", model_config.hf_config.model_type, engine_config.strategy, engine_cls)
         return engine_cls(
             model_config=model_config,

@@ -30,9 +30,9 @@ import verl.workers.engine_workers
 from verl.plugin.platform import PlatformRegistry
 from verl.workers.engine import EngineRegistry
 import verl_moe.configs
-from verl_moe.engines.dispatch import MoeEngineDispatch
+from verl_moe.engines.selector import MoeEngineSelector
 
-assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is MoeEngineDispatch
+assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is MoeEngineSelector
 assert PlatformRegistry.get("cpu") is not None
 configs = os.path.dirname(verl_moe.configs.__file__)
 for name in ("recipe/tiny_cpu.yaml", "recipe/tiny_cpu_veomni.yaml", "scale/tiny.yaml", "engine/moe_fsdp2.yaml"):

@@ -26,35 +26,39 @@ def _registry():
 
 def test_our_keys_outrank_verls_without_replacing_them():
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from verl_moe.engines.dispatch import MoeEngineDispatch
+    from verl_moe.engines.selector import MoeEngineSelector
 
     for backend in ("fsdp", "fsdp2"):
         entries = _registry()._engines["language_model"][backend]
         assert entries["cuda"] is FSDPEngineWithLMHead and entries["npu"] is FSDPEngineWithLMHead
-        assert entries[("cuda", "nvidia")] is MoeEngineDispatch
-        assert entries[("npu", "huawei")] is MoeEngineDispatch
-        assert entries[("cpu", "cpu")] is MoeEngineDispatch and "cpu" not in entries
-        assert _registry().get_engine_cls("language_model", backend) is MoeEngineDispatch  # cpu platform
+        assert entries[("cuda", "nvidia")] is MoeEngineSelector
+        assert entries[("npu", "huawei")] is MoeEngineSelector
+        assert entries[("cpu", "cpu")] is MoeEngineSelector and "cpu" not in entries
+        assert _registry().get_engine_cls("language_model", backend) is MoeEngineSelector  # cpu platform
     assert ("cuda", "nvidia") not in _registry()._engines["value_model"]["fsdp2"]
 
 
-def test_dispatch_by_hf_model_type(monkeypatch):
+def test_selection_by_hf_model_type(monkeypatch):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from verl_moe.engines.dispatch import resolve_engine_class
+    from verl_moe.engines import selector
     from verl_moe.engines.fsdp2 import MoeFsdp2Engine
     from verl_moe.engines.veomni import MoeVeOmniEngine
 
     ours = SimpleNamespace(hf_config=tiny_config(), model_type="language_model")
     other = SimpleNamespace(hf_config=Qwen2Config(), model_type="language_model")
-    assert resolve_engine_class(ours, "fsdp2") is MoeFsdp2Engine
-    assert resolve_engine_class(ours, "veomni") is MoeVeOmniEngine
+    assert selector.select_engine_class(ours, "fsdp2") is MoeFsdp2Engine
+    assert selector.select_engine_class(ours, "veomni") is MoeVeOmniEngine
+    assert "fsdp2" not in selector.VERL_ENGINES  # cpu platform: verl has no FSDP engine to hand it to
     with pytest.raises(ValueError, match="'qwen2' has no verl_moe spec"):
-        resolve_engine_class(other, "fsdp2")  # cpu: verl has no FSDP engine to hand it to
+        selector.select_engine_class(other, "fsdp2")
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
-    assert resolve_engine_class(other, "fsdp") is FSDPEngineWithLMHead
-    assert resolve_engine_class(ours, "fsdp") is MoeFsdp2Engine
+    monkeypatch.setattr(selector, "VERL_ENGINES", {})
+    selector.record_verl_engines()  # as on a GPU host: verl's look-up before ours is registered
+    assert selector.VERL_ENGINES["fsdp"] is FSDPEngineWithLMHead
+    assert selector.select_engine_class(other, "fsdp") is FSDPEngineWithLMHead
+    assert selector.select_engine_class(ours, "fsdp") is MoeFsdp2Engine
     with pytest.raises(ValueError, match="serves backends"):
-        resolve_engine_class(ours, "megatron")
+        selector.select_engine_class(ours, "megatron")
 
 
 _FRESH_PROCESS_CHECK = """
