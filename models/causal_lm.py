@@ -1,4 +1,4 @@
-"""The decoder shared by Qwen3.5-MoE and Qwen3-MoE, and `build`.
+"""The decoder shared by Qwen3.5-MoE and Qwen3-MoE, and `build_causal_lm`.
 
 Module tree and parameter names equal transformers' `...ForCausalLM`:
 `model.embed_tokens`, `model.layers.{i}.{input_layernorm, linear_attn | self_attn,
@@ -255,7 +255,7 @@ def init_weights(model: MoeCausalLM) -> None:
     zero_padding_embedding(model.model.embed_tokens)
 
 
-def build(
+def build_causal_lm(
     hf_config,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",

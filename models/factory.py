@@ -1,6 +1,6 @@
-"""`build`: the model for an HF config, picked by its spec (`registry.py`): `MoeCausalLM` for the text
-configs (`causal_lm.py`), `MoeVisionLM` for the vision-language `qwen3_5_moe` config
-(`qwen3_5_moe/vl_model.py`). Its own module because the vision-language model builds on causal_lm."""
+"""`build`: the model for any supported HF config, picked by its spec (`registry.py`): `build_causal_lm`
+(`causal_lm.py`) for the text configs, `build_vision_lm` (`qwen3_5_moe/vl_model.py`) for the
+vision-language `qwen3_5_moe` config. Its own module because the vision-language model builds on causal_lm."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import causal_lm
-from .causal_lm import MoeCausalLM
+from .causal_lm import MoeCausalLM, build_causal_lm
 from .ops_config import OpsConfig
 from .qwen3_5_moe.vl_model import MoeVisionLM, build_vision_lm
 from .registry import get_spec
@@ -46,4 +45,4 @@ def build(
         hf_config = spec.text_config(hf_config)
     elif spec.vision_arch is not None:
         return build_vision_lm(hf_config, spec, dtype, device, ops, compute_dtype)
-    return causal_lm.build(hf_config, dtype, device, ops, compute_dtype)
+    return build_causal_lm(hf_config, dtype, device, ops, compute_dtype)

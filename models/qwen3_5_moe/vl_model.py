@@ -196,7 +196,7 @@ def build_vision_lm(
     compute_dtype: torch.dtype | None = None,
 ) -> MoeVisionLM:
     """A freshly initialised MoeVisionLM for a vision-language config (what `verl_moe.models.build`
-    returns for one); compute_dtype as in `causal_lm.build`. Raises ValueError on an unsupported
+    returns for one); compute_dtype as in `causal_lm.build_causal_lm`. Raises ValueError on an unsupported
     config or op choice."""
     arch = spec.arch_config(spec.text_config(hf_config))
     vision = spec.vision_arch(hf_config)
