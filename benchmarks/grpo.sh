@@ -57,7 +57,7 @@ import importlib.metadata
 import json
 import sys
 
-from verl_moe.tools.report import environment
+from verl_moe.tools.provenance import environment
 
 path, metrics, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 argv = sys.argv[4:]

@@ -21,7 +21,8 @@ from pathlib import Path
 from ..ops import device
 from ..ops.common.timing import kernel_ms, time_ms
 from ..ops.testing import rel_rms
-from .report import environment, render_table
+from .provenance import environment
+from .table import render_table
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def _label_and_path(spec: str) -> tuple[str, str]:
 
 def run(cfg: CurvesConfig) -> dict:
     """Read the runs, resolve metrics, find divergence points, write curves.png and curves.json."""
-    from .report import environment
+    from .provenance import environment
 
     specs = [_label_and_path(spec) for spec in cfg.runs]
     labels = [label for label, _ in specs]
@@ -238,7 +238,7 @@ def _plot(runs, metrics: list[dict], png: Path) -> None:
 
 
 def print_report(report: dict) -> None:
-    from .report import render_table
+    from .table import render_table
 
     labels = [r["label"] for r in report["runs"]]
     rows = []

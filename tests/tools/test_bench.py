@@ -92,7 +92,7 @@ def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_pat
 
 
 def test_source_sha_names_the_code_not_its_location(tmp_path):
-    from verl_moe.tools.report import PACKAGE_PARTS, source_sha
+    from verl_moe.tools.provenance import PACKAGE_PARTS, source_sha
 
     def tree(base, body):
         (base / "ops" / "__pycache__").mkdir(parents=True)

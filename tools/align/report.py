@@ -320,7 +320,7 @@ def other_pair_rows(pairs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def print_report(report: dict) -> None:
-    from ..report import render_table
+    from ..table import render_table
 
     k = report["stream"]["steps"]
     title = (

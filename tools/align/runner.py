@@ -15,7 +15,7 @@ logp_hist.png (per-token |Δ log-prob| at step 0), the model folder, the batch s
 trace + log per backend.
 
 report.json (schema 1; `REPORT_SCHEMA` is the JSON Schema, `validate_report` checks it):
-    schema, tool ("align"), argv, device, device_name, versions, git_sha  (tools/report.environment)
+    schema, tool ("align"), argv, device, device_name, versions, git_sha  (tools/provenance.environment)
     config      the AlignConfig as a dict
     model       {path, preset, model_type, num_parameters}
     stream      {source, steps, sequences[k], tokens[k], response_tokens[k]}
@@ -149,7 +149,7 @@ def _prepare(cfg: AlignConfig, out: Path, dump: list | None) -> tuple[Path, list
 
 def run(cfg: AlignConfig) -> dict:
     """Run every backend, compare each with the golden, write report.json and the plots."""
-    from ..report import environment
+    from ..provenance import environment
 
     specs = expand_backends(cfg)
     skipped, dump = check_inputs(cfg, specs)

@@ -1,4 +1,4 @@
-"""What every tool report carries (versions, device, git sha, source hash) and the rich table renderer."""
+"""What every tool report carries to name the run: versions, device, git sha, source hash, date."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -85,24 +84,3 @@ def environment() -> dict:
         "source_sha": source_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        if value != value:
-            return "-"
-        return f"{value:.4g}"
-    return str(value)
-
-
-def render_table(title: str, columns: list[str], rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c)
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c, "")) for c in columns))
-    # Off a terminal (CI logs, device runs) rich would squeeze columns to 80 characters.
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
