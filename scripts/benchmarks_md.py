@@ -365,7 +365,8 @@ def render(reports: dict[str, dict]) -> str:
         sections += [
             "## Model step",
             "One training step (forward, next-token log-prob loss, backward) of the reduced Qwen3.5-MoE "
-            "(`models/bench.py::reduced_config(8)`: hidden 2048, 6 GatedDeltaNet + 2 attention layers, 64 experts "
+            "(`models/train_step_bench.py::reduced_config(8)`: hidden 2048, 6 GatedDeltaNet + 2 attention layers, "
+            "64 experts "
             "top-8 + shared expert, vocabulary 248,320), bf16, every provider from the same weights in one process. "
             "Peak = the provider's weights + the step's peak above them. MFU divides by 790 TFLOP/s (a measured "
             "dense bf16 rate); the column says which FLOP count the report used (docs/benchmarking.md).",

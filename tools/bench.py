@@ -75,8 +75,8 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the benchmark of `cfg.op`; returns the report dict, also written to cfg.json_path after
     every (case, mode), so a run cut short keeps what it measured. `on_row` sees each row as soon
     as it is measured (its ratio columns come with the report)."""
-    # `model` is the end-to-end training step (models/bench.py); every other name is an op folder.
-    module = "verl_moe.models.bench" if cfg.op == "model" else f"verl_moe.ops.{cfg.op}.bench"
+    # `model` is the end-to-end training step (models/train_step_bench.py); every other name is an op folder.
+    module = "verl_moe.models.train_step_bench" if cfg.op == "model" else f"verl_moe.ops.{cfg.op}.bench"
     bench = importlib.import_module(module)
     dev = device.current_device()
     providers = cfg.providers or tuple(bench.PROVIDERS)
