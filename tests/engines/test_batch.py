@@ -1,4 +1,4 @@
-"""Engine core on verl-format batches: packing, unpacking, micro-batching, output order, switches.
+"""engines/batch.py on verl-format batches: packing, unpacking, micro-batching, output order, switches.
 
 Expected values are built independently, one sequence at a time from the padded batch."""
 
