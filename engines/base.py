@@ -40,6 +40,7 @@ from verl_moe.engines.config import (
     vision_switch,
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
+from verl_moe.engines.placement import move_module, move_optimizer_state
 from verl_moe.models import build, from_pretrained, lora
 from verl_moe.models.fsdp_plan import (
     OFFLOAD_TILE_TOKENS,
@@ -392,9 +393,9 @@ class MoeEngineBase(BaseEngine):
         if self.layout.fsdp_cpu_offload:
             return  # FSDP2's CPUOffloadPolicy owns parameter placement
         if model:
-            ckpt.move_module(self.module, target)
+            move_module(self.module, target)
         if optimizer and self.optimizer is not None:
-            ckpt.move_optimizer_state(self.optimizer, target)
+            move_optimizer_state(self.optimizer, target)
 
     @contextmanager
     def _params_on_device(self, optimizer: bool = False):

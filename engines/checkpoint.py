@@ -1,4 +1,4 @@
-"""Checkpoints and placement for our FSDP2 engines: plain functions over sharded modules.
+"""Checkpoints for our FSDP2 engines: plain functions over sharded modules.
 
 Layout of a checkpoint folder `<path>/`:
     dcp/                    torch.distributed.checkpoint of {"model": ..., "optimizer": ...}
@@ -67,24 +67,6 @@ def checkpoint_contents(checkpoint_config, which: str) -> tuple[str, ...]:
     if "model" not in contents:
         raise ValueError(f"{which}_contents must include 'model'")
     return contents
-
-
-@torch.no_grad()
-def move_module(module: nn.Module, target: torch.device) -> None:
-    """Sharded parameters and their gradients to `target` (FSDP2 re-points its shards on `.to`)."""
-    module.to(target)
-    for param in module.parameters():
-        if param.grad is not None and param.grad.device != target:
-            param.grad = param.grad.to(target)
-
-
-@torch.no_grad()
-def move_optimizer_state(optimizer: torch.optim.Optimizer, target: torch.device) -> None:
-    """Optimizer state tensors to `target`; Adam's scalar `step` stays on the CPU where it lives."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(target)
 
 
 class CheckpointError(ValueError):
