@@ -7,7 +7,7 @@ resolve from the same tree as the `verl_moe` imported (tests/test_package.py che
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = ("engines", "models", "ops", "configs", "tools")
+SUBPACKAGES = ("engines", "integrations", "models", "ops", "configs", "tools")
 
 packages, package_dir = ["verl_moe"], {"verl_moe": "verl_moe"}
 for folder in SUBPACKAGES:

@@ -37,6 +37,12 @@ CPU (`engines/rollout/vllm_cpu/`); elsewhere it does nothing.
 
 Two more of verl's tables keyed by HF model type get our types (`register_model_tables`): the FLOPs
 count behind `perf/mfu/actor` and the agent loop's Continuous Token builder family.
+
+Where VeOmni is installed, our kernels join its kernel registry under the name `verl_moe`
+(`register_integrations`, `integrations/veomni.py`), so verl's own VeOmni engine selects them by config
+(`engine.chunk_gated_delta_rule_implementation=verl_moe`, ...). It adds names and replaces none, so it does
+not depend on `VERL_MOE_OVERRIDE`; a failure there (an unchecked VeOmni version) is logged on its own and
+leaves the rest registered.
 """
 
 from __future__ import annotations
@@ -187,6 +193,16 @@ def register_vllm_cpu() -> None:
     _registered.add("vllm_cpu")
 
 
+def register_integrations() -> None:
+    """Our kernels as VeOmni `KernelSpec`s named `verl_moe` (nothing happens without VeOmni installed)."""
+    if "integrations" in _registered:
+        return
+    from verl_moe.integrations import veomni as veomni_kernels
+
+    veomni_kernels.register()
+    _registered.add("integrations")
+
+
 def register_all() -> None:
     """Platform first: importing verl's engine package resolves verl's platform once, for good."""
     register_platform()
@@ -214,3 +230,7 @@ except ImportError as exc:  # verl's loader would hide this at debug level
     logger.warning("verl_moe: registration skipped, %s; verl's engines are used", missing_module_hint(exc))
 except Exception as exc:
     logger.warning("verl_moe: registration failed (%s: %s); verl's engines are used", type(exc).__name__, exc)
+try:
+    register_integrations()
+except Exception as exc:  # kept apart: our engines stay registered
+    logger.warning("verl_moe: VeOmni kernels not registered as 'verl_moe': %s", exc)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE_DIRS = ("verl_moe", "engines", "models", "ops", "configs", "tools")
+PACKAGE_DIRS = ("verl_moe", "engines", "integrations", "models", "ops", "configs", "tools")
 PACKAGE_FILES = ("pyproject.toml", "setup.py", "README.md")
 CHECK = """
 import os

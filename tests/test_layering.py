@@ -1,5 +1,7 @@
-"""The package's import graph runs one way, ops <- models <- engines <- tools, has no cycle between
-modules, and no module is longer than 600 lines.
+"""The package's import graph runs one way, ops <- models <- {engines, integrations} <- tools, has no cycle
+between modules, and no module is longer than 600 lines. engines and integrations share a layer as
+siblings: neither imports the other, except the plugin's registration of the integrations
+(`SIBLING_IMPORTS`).
 
 The graph is read from the source with `ast` (nothing is imported), every `import` statement counted
 wherever it stands: module level, inside a function, under `if TYPE_CHECKING:`, and every string
@@ -20,8 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "verl_moe"
-# lowest first: a module may import its own layer and the ones before it (configs is data, no code)
-LAYERS = ("ops", "models", "engines", "tools")
+# lowest first: a module may import its own folder and the layers before it (configs is data, no code);
+# folders of one layer are siblings
+LAYERS = (("ops",), ("models",), ("engines", "integrations"), ("tools",))
+FOLDERS = tuple(folder for group in LAYERS for folder in group)
+# (importing module, sibling folder) pairs allowed across one layer: verl's plugin entry point registers
+# the VeOmni kernel entries
+SIBLING_IMPORTS = {("verl_moe.engines.plugin", "integrations")}
 MAX_LINES = 600
 # a module named by a string for importlib (dispatch tables: "verl_moe.ops.gdn.chunk:chunk_gated_delta_rule")
 LAZY_TARGET = re.compile(r"verl_moe(\.[a-z_][a-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_]*)?")
@@ -30,7 +37,7 @@ LAZY_TARGET = re.compile(r"verl_moe(\.[a-z_][a-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_]*
 def package_modules(root: Path = ROOT) -> dict[str, Path]:
     """Dotted name -> file of every module of the package (`verl_moe/__init__.py` and the top-level folders)."""
     modules = {PACKAGE: root / PACKAGE / "__init__.py"}
-    for folder in (*LAYERS, "configs"):
+    for folder in (*FOLDERS, "configs"):
         for path in sorted((root / folder).rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
             if parts[-1] == "__init__":
@@ -85,18 +92,28 @@ def import_graph(root: Path = ROOT, lazy: bool = True) -> dict[str, set[str]]:
     return {name: imported_modules(name, path, modules, lazy) for name, path in modules.items()}
 
 
-def layer(name: str) -> int | None:
-    """Index in LAYERS of the top-level folder `name` lives in; None for `verl_moe` and configs."""
+def folder(name: str) -> str | None:
+    """The top-level folder `name` lives in; None for `verl_moe` itself."""
     parts = name.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer(name: str) -> int | None:
+    """Index in LAYERS of the layer `name`'s folder belongs to; None for `verl_moe` and configs."""
+    top = folder(name)
+    return next((i for i, group in enumerate(LAYERS) if top in group), None)
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer, or of a sibling folder outside SIBLING_IMPORTS."""
     bad = []
     for source, targets in sorted(graph.items()):
         for target in sorted(targets):
             low, high = layer(source), layer(target)
-            if low is not None and high is not None and high > low:
+            if low is None or high is None:
+                continue
+            sibling = high == low and folder(source) != folder(target)
+            if high > low or (sibling and (source, folder(target)) not in SIBLING_IMPORTS):
                 bad.append(f"{source} -> {target}")
     return bad
 
@@ -145,7 +162,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_upward_imports():
     bad = upward_imports(import_graph())
-    assert not bad, "imports must run ops <- models <- engines <- tools:\n" + "\n".join(bad)
+    assert not bad, "imports must run ops <- models <- {engines, integrations} <- tools:\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():
@@ -210,6 +227,10 @@ def fake_tree(tmp_path) -> Path:
         "models/b.py": "from .a import A\nfrom verl_moe.ops import j\n",
         "engines/__init__.py": "",
         "engines/e.py": "import verl_moe.models.a\nfrom ..ops.j import g\n",
+        "engines/plugin.py": "def register():\n    from verl_moe.integrations import v\n",
+        "engines/x.py": "from verl_moe.integrations.v import k\n",
+        "integrations/__init__.py": "",
+        "integrations/v.py": "from verl_moe.models.a import A\nfrom verl_moe.engines import e\n",
         "ops/j.py": "g = 1\n",
         "tools/__init__.py": "",
         "configs/__init__.py": "",
@@ -223,7 +244,12 @@ def fake_tree(tmp_path) -> Path:
 def test_checks_find_planted_problems(fake_tree):
     graph = import_graph(fake_tree)
     assert graph["verl_moe.engines.e"] == {"verl_moe.models.a", "verl_moe.ops.j"}
-    assert upward_imports(graph) == ["verl_moe.ops.k -> verl_moe.engines.e", "verl_moe.ops.t -> verl_moe.models.b"]
+    assert upward_imports(graph) == [
+        "verl_moe.engines.x -> verl_moe.integrations.v",  # a sibling import other than the plugin's
+        "verl_moe.integrations.v -> verl_moe.engines.e",
+        "verl_moe.ops.k -> verl_moe.engines.e",
+        "verl_moe.ops.t -> verl_moe.models.b",
+    ]
     assert import_cycles(graph) == [["verl_moe.models.a", "verl_moe.models.b"]]
     assert "verl_moe.models.b" not in import_graph(fake_tree, lazy=False)["verl_moe.ops.t"]
     (fake_tree / "ops" / "env.py").write_text("import os\n\n\ndef f():\n    return os.environ.get('X')\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("engines", "models", "ops", "configs", "tools")
+FOLDERS = ("engines", "integrations", "models", "ops", "configs", "tools")
 
 # Resolve every name the way `import` does (each finder of sys.meta_path in turn, asked with the
 # parent package's search path) without running any module but `verl_moe/__init__.py`, after

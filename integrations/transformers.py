@@ -1,0 +1,221 @@
+"""Swap transformers' Qwen3.5-MoE / Qwen3-MoE kernels for ours, and back.
+
+`apply_to_qwen3_5_moe(model=None)` replaces, in `transformers.models.qwen3_5_moe.modeling_qwen3_5_moe`:
+GatedDeltaNet's chunked gated delta rule and causal conv1d, the (1 + weight) RMSNorm, GatedDeltaNet's gated
+RMSNorm, the attention's `apply_rotary_pos_emb` (partial, interleaved mRoPE), the top-k router (fp32
+routing) and the routed experts. `apply_to_qwen3_moe` does the same for Qwen3-MoE's RMSNorm, rope, router
+and experts. Vision towers, attention itself, the decode-step kernels of a generation cache and the LM
+head keep transformers' code (docs/integrations.md).
+
+- `model=None` patches the module: the classes' forwards and the module-level kernels that
+  GatedDeltaNet's constructor picks up, so models built afterwards (and the class-level parts of existing
+  ones) run ours; fla's gated norm class is set aside so new models build transformers' (ours inside).
+- `model=<instance>` patches that model's modules only (instance attributes), leaving the classes alone.
+  transformers' attention calls the module-level `apply_rotary_pos_emb`, so an instance's attention modules
+  get a forward that swaps it in for the duration of their own call (one thread at a time).
+
+`revert_*` puts back exactly what `apply_*` replaced, so outputs are again bitwise transformers'. Each
+apply resolves our implementations once (`ops.dispatch.resolve`: triton on cuda/npu, the torch reference
+on cpu, `VERL_MOE_OPS` overrides).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import weakref
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import adapters
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Family:
+    module: str  # transformers' modeling module
+    norm: str  # RMSNorm class
+    unit_offset: bool  # (1 + weight) norms
+    norm_eps: str  # the RMSNorm's epsilon attribute
+    attention: str
+    router: str
+    experts: str
+    norm_topk_prob: bool | None  # None: the router module's own flag
+    gdn: str | None = None  # GatedDeltaNet class (Qwen3.5)
+    gated_norm: str | None = None
+
+
+QWEN3_5_MOE = Family(
+    module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    norm="Qwen3_5MoeRMSNorm",
+    unit_offset=True,
+    norm_eps="eps",
+    attention="Qwen3_5MoeAttention",
+    router="Qwen3_5MoeTopKRouter",
+    experts="Qwen3_5MoeExperts",
+    norm_topk_prob=True,  # transformers' Qwen3.5 router always renormalises its top-k
+    gdn="Qwen3_5MoeGatedDeltaNet",
+    gated_norm="Qwen3_5MoeRMSNormGated",
+)
+QWEN3_MOE = Family(
+    module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+    norm="Qwen3MoeRMSNorm",
+    unit_offset=False,
+    norm_eps="variance_epsilon",
+    attention="Qwen3MoeAttention",
+    router="Qwen3MoeTopKRouter",
+    experts="Qwen3MoeExperts",
+    norm_topk_prob=None,
+)
+
+# what was replaced, to put back: module -> [(owner, attribute, previous value or _MISSING)]
+_class_patches: dict[str, list[tuple[object, str, object]]] = {}
+_instance_patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _norm_forward(family: Family):
+    fn = adapters.make_rms_norm(family.unit_offset)
+
+    def forward(module, hidden_states):
+        return fn(hidden_states, module.weight, getattr(module, family.norm_eps))
+
+    return forward
+
+
+def _kernels(family: Family) -> dict:
+    """Our callables for `family`, resolved once."""
+    kernels = {
+        "norm_forward": _norm_forward(family),
+        "rope": adapters.make_apply_rotary_pos_emb(),
+        "router_forward": adapters.make_route(family.norm_topk_prob),
+        "experts_forward": adapters.make_moe_experts_forward(),
+    }
+    if family.gdn is not None:
+        kernels["gated_norm_forward"] = adapters.make_gated_rms_norm_forward()
+        kernels["conv"] = adapters.make_causal_conv1d_bct()
+        kernels["gdn"] = adapters.make_chunk_gated_delta_rule()
+    return kernels
+
+
+def _own(owner, attr: str):
+    """`owner`'s own value of `attr` (a class's or module's dict; an nn.Module's dict or submodule), or
+    _MISSING when it only inherits one."""
+    if isinstance(owner, nn.Module):
+        return owner.__dict__.get(attr, owner._modules.get(attr, _MISSING))
+    return vars(owner).get(attr, _MISSING)
+
+
+def _set(stash: list, owner, attr: str, value) -> None:
+    stash.append((owner, attr, _own(owner, attr)))
+    setattr(owner, attr, value)
+
+
+def _restore(stash: list) -> None:
+    for owner, attr, previous in reversed(stash):
+        if previous is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, previous)
+
+
+def _apply_classes(family: Family) -> None:
+    if family.module in _class_patches:
+        return
+    mod = importlib.import_module(family.module)
+    k, stash = _kernels(family), []
+    _set(stash, getattr(mod, family.norm), "forward", k["norm_forward"])
+    _set(stash, mod, "apply_rotary_pos_emb", k["rope"])
+    _set(stash, getattr(mod, family.router), "forward", k["router_forward"])
+    _set(stash, getattr(mod, family.experts), "forward", k["experts_forward"])
+    if family.gdn is not None:
+        _set(stash, getattr(mod, family.gated_norm), "forward", k["gated_norm_forward"])
+        # read by GatedDeltaNet.__init__; fla's gated norm class (when installed) would bypass ours
+        _set(stash, mod, "FusedRMSNormGated", None)
+        _set(stash, mod, "causal_conv1d_fn", k["conv"])
+        _set(stash, mod, "chunk_gated_delta_rule", k["gdn"])
+    _class_patches[family.module] = stash
+
+
+def _rope_swapping_forward(mod, rope):
+    def forward(self, *args, **kwargs):
+        saved = mod.apply_rotary_pos_emb
+        mod.apply_rotary_pos_emb = rope
+        try:
+            return type(self).forward(self, *args, **kwargs)
+        finally:
+            mod.apply_rotary_pos_emb = saved
+
+    return forward
+
+
+def _apply_instance(family: Family, model: nn.Module) -> None:
+    if model in _instance_patches:
+        return
+    mod = importlib.import_module(family.module)
+    k, stash = _kernels(family), []
+    bound = {
+        getattr(mod, family.norm): k["norm_forward"],
+        getattr(mod, family.router): k["router_forward"],
+        getattr(mod, family.experts): k["experts_forward"],
+        getattr(mod, family.attention): _rope_swapping_forward(mod, k["rope"]),
+    }
+    gdn_cls = getattr(mod, family.gdn) if family.gdn is not None else None
+    gated_cls = getattr(mod, family.gated_norm) if family.gated_norm is not None else None
+    if gated_cls is not None:
+        bound[gated_cls] = k["gated_norm_forward"]
+    found = False
+    for module in list(model.modules()):
+        if gdn_cls is not None and isinstance(module, gdn_cls):
+            _set(stash, module, "causal_conv1d_fn", k["conv"])
+            _set(stash, module, "chunk_gated_delta_rule", k["gdn"])
+            if not isinstance(module.norm, gated_cls):
+                # fla's FusedRMSNormGated: transformers' class around the same weight, with ours inside
+                norm = gated_cls(module.norm.weight.shape[0], eps=module.norm.eps)
+                norm.weight = module.norm.weight
+                norm.forward = types.MethodType(k["gated_norm_forward"], norm)
+                _set(stash, module, "norm", norm)
+            found = True
+        for cls, forward in bound.items():
+            if type(module) is cls:
+                _set(stash, module, "forward", types.MethodType(forward, module))
+                found = True
+    if not found:
+        _restore(stash)
+        raise ValueError(f"{type(model).__name__} has no {family.module.rpartition('.')[2]} modules to patch")
+    _instance_patches[model] = stash
+
+
+def _revert(family: Family, model: nn.Module | None) -> None:
+    if model is None:
+        _restore(_class_patches.pop(family.module, []))
+    else:
+        _restore(_instance_patches.pop(model, []))
+
+
+def apply_to_qwen3_5_moe(model: nn.Module | None = None) -> None:
+    """Our kernels in transformers' Qwen3.5-MoE: in the module (model=None; models built afterwards) or in
+    `model`'s modules only. Idempotent. Raises ValueError when `model` has no Qwen3.5-MoE modules."""
+    if model is None:
+        _apply_classes(QWEN3_5_MOE)
+    else:
+        _apply_instance(QWEN3_5_MOE, model)
+
+
+def revert_qwen3_5_moe(model: nn.Module | None = None) -> None:
+    """Undo `apply_to_qwen3_5_moe(model)` (same argument); a no-op when it was not applied."""
+    _revert(QWEN3_5_MOE, model)
+
+
+def apply_to_qwen3_moe(model: nn.Module | None = None) -> None:
+    """Our RMSNorm, rope, router and experts in transformers' Qwen3-MoE (see `apply_to_qwen3_5_moe`)."""
+    if model is None:
+        _apply_classes(QWEN3_MOE)
+    else:
+        _apply_instance(QWEN3_MOE, model)
+
+
+def revert_qwen3_moe(model: nn.Module | None = None) -> None:
+    """Undo `apply_to_qwen3_moe(model)` (same argument); a no-op when it was not applied."""
+    _revert(QWEN3_MOE, model)
