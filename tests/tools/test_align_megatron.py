@@ -31,6 +31,7 @@ from dist import spawn
 from verl_moe.ops.testing import assert_rel_rms
 from verl_moe.tools.align import data
 from verl_moe.tools.align.backends import megatron as am
+from verl_moe.tools.align.backends import megatron_names as names
 from verl_moe.tools.align.backends import parse_backend, unavailable
 from verl_moe.tools.align.backends.reference import fill_old_log_probs, run_reference
 from verl_moe.tools.align.data import to_verl
@@ -64,10 +65,10 @@ def test_fuse_qkv_matches_hand_built_megatron_layout():
             expected_rows += [q[head * K + j] for j in range(K)]
         expected_rows += [k[g * K + j] for j in range(K)]
         expected_rows += [v[g * K + j] for j in range(K)]
-    fused = am.fuse_qkv(q, k, v, HKV)
+    fused = names.fuse_qkv(q, k, v, HKV)
     assert torch.equal(fused, torch.stack(expected_rows))
     assert not torch.equal(fused, torch.cat([q, k, v]))  # the example tells the layouts apart
-    for got, want in zip(am.split_qkv(fused, H, HKV, K), (q, k, v)):
+    for got, want in zip(names.split_qkv(fused, H, HKV, K), (q, k, v)):
         assert torch.equal(got, want)
 
 
@@ -77,9 +78,9 @@ def test_hf_megatron_round_trip_is_exact(overrides):
 
     arch, config = _arch("tiny-qwen3-moe", **overrides)
     hf = models.build(config, dtype=torch.float32).state_dict()
-    mc = am.hf_to_megatron(hf, arch)
+    mc = names.hf_to_megatron(hf, arch)
     assert len(mc) == len(set(mc))
-    back = am.megatron_to_hf(mc, arch)
+    back = names.megatron_to_hf(mc, arch)
     assert sorted(back) == sorted(hf)
     for name, tensor in hf.items():
         assert torch.equal(back[name], tensor), name
@@ -91,9 +92,9 @@ def test_hf_megatron_round_trip_is_exact(overrides):
 
 def test_qwen35_features_without_gated_delta_net_are_refused_with_the_reason():
     arch, _ = _arch("tiny-qwen3.5-moe")
-    am.check_supported(arch)  # the hybrid stack converts
+    names.check_supported(arch)  # the hybrid stack converts
     with pytest.raises(ValueError, match="without GatedDeltaNet"):
-        am.check_supported(replace(arch, layer_types=("full_attention",) * len(arch.layer_types)))
+        names.check_supported(replace(arch, layer_types=("full_attention",) * len(arch.layer_types)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without CUDA")

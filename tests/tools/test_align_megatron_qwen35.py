@@ -1,5 +1,5 @@
-"""Qwen3.5-MoE in the megatron backend (`backends/megatron_qwen35.py`): the HF <-> megatron
-conversion of the hybrid stack, and megatron-core's mRoPE against transformers' Qwen3.5 rotary.
+"""Qwen3.5-MoE in the megatron backend: the HF <-> megatron conversion of the hybrid stack
+(`backends/megatron_names.py`), and megatron-core's mRoPE against transformers' Qwen3.5 rotary.
 
 The forward/backward against the fp64 reference is `test_align_megatron.py`'s CPU case
 `qwen3.5-gdn` (the same tolerances as Qwen3-MoE).
@@ -17,8 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from verl_moe.tools.align import data
-from verl_moe.tools.align.backends import megatron as am
-from verl_moe.tools.align.backends import megatron_qwen35 as q35
+from verl_moe.tools.align.backends import megatron_names as names
 
 ANGLE_MAX_ABS = 1e-5  # fp32 angles of positions < 64
 
@@ -43,10 +42,10 @@ def test_fuse_gated_qkv_matches_hand_built_megatron_layout():
         expected += (
             [query[h] for h in heads] + [gate[h] for h in heads] + [k[g * K : (g + 1) * K], v[g * K : (g + 1) * K]]
         )
-    fused = q35.fuse_gated_qkv(q_gate, k, v, H, HKV)
+    fused = names.fuse_gated_qkv(q_gate, k, v, H, HKV)
     assert torch.equal(fused, torch.cat(expected))
-    assert not torch.equal(fused, am.fuse_qkv(q_gate, k, v, HKV))  # the example tells the layouts apart
-    for got, want in zip(q35.split_gated_qkv(fused, H, HKV, K), (q_gate, k, v)):
+    assert not torch.equal(fused, names.fuse_qkv(q_gate, k, v, HKV))  # the example tells the layouts apart
+    for got, want in zip(names.split_gated_qkv(fused, H, HKV, K), (q_gate, k, v)):
         assert torch.equal(got, want)
 
 
@@ -55,8 +54,8 @@ def test_qwen35_hf_megatron_round_trip_is_exact():
 
     arch, config = _arch()
     hf = models.build(config, dtype=torch.float32).state_dict()
-    mc = am.hf_to_megatron(hf, arch)
-    back = am.megatron_to_hf(mc, arch)
+    mc = names.hf_to_megatron(hf, arch)
+    back = names.megatron_to_hf(mc, arch)
     assert sorted(back) == sorted(hf)
     for name, tensor in hf.items():
         assert torch.equal(back[name], tensor), name
@@ -77,7 +76,7 @@ def test_qwen35_hf_megatron_round_trip_is_exact():
 def test_check_supported_refuses_qwen35_parts_on_a_non_hybrid_stack():
     arch, _ = _arch()
     with pytest.raises(ValueError, match="without GatedDeltaNet"):
-        am.hf_to_megatron({}, replace(arch, layer_types=("full_attention",) * len(arch.layer_types)))
+        names.hf_to_megatron({}, replace(arch, layer_types=("full_attention",) * len(arch.layer_types)))
 
 
 # ---- mRoPE ------------------------------------------------------------------------------------

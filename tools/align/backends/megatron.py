@@ -34,7 +34,7 @@ the ranks, world 1 on one GPU):
   `Float16Module`), log-softmax in fp32, labels as in the reference; verl's `ppo_loss` with the
   same `actor_config` as every backend.
 - Probes: megatron parameters, fp32 gradients (`main_grad`) and fp32 master weights are mapped back
-  to the HF names of our model spec (`megatron_to_hf`), so the `Probe` reads the same coordinates.
+  to the HF names of our model spec (`megatron_names.megatron_to_hf`), so the `Probe` reads the same coordinates.
   (Our spec gives the embedding row of a configured `pad_token_id` no gradient, megatron does; the
   two differ only when that id occurs in a batch. The Qwen3-MoE presets configure none.)
 
@@ -62,6 +62,7 @@ from ..data import rank_batch
 from ..job import Job, actor_config
 from ..trace import BackendTrace, Probe, gather_step_outputs, record_steps, response_values
 from . import megatron_qwen35 as qwen35
+from .megatron_names import check_supported, hf_to_megatron, megatron_to_hf
 from .spec import BackendSpec
 
 PAD_TOKEN = 0  # what padded positions hold; their outputs are never read
@@ -107,130 +108,6 @@ def megatron_unavailable(spec: BackendSpec) -> str | None:
     if spec.router_dtype == "bf16" and spec.compute_dtype != "bf16":
         return f"{spec.label}: megatron's router runs in the model dtype, fp32 or fp64; a bf16 router needs dtype=bf16"
     return None
-
-
-def check_supported(arch) -> None:
-    """Raise ValueError for what this converter does not map onto megatron's local GPT specs."""
-    problems = []
-    hybrid = "linear_attention" in arch.layer_types  # the features below come with megatron_qwen35
-    if not hybrid and (arch.attn_output_gate or arch.norm_unit_offset or arch.shared_expert_intermediate_size):
-        problems.append("Qwen3.5 features (gated attention, (1 + w) norms, shared expert) without GatedDeltaNet")
-    if arch.attention_bias:
-        problems.append("attention biases")
-    if arch.tie_word_embeddings:
-        problems.append("tied embeddings")
-    if arch.mrope_section is not None and not hybrid:
-        problems.append("mRoPE")
-    if problems:
-        raise ValueError("the megatron backend cannot build this model: " + "; ".join(problems))
-
-
-# ---- HF <-> megatron parameter names and layouts -----------------------------------------------
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """HF q/k/v projections -> megatron's fused `linear_qkv` rows.
-
-    q: [H*K, D], k and v: [HKV*K, D] (head-major rows). Returns [HKV*(H/HKV + 2)*K, D]: for each KV
-    group g in order, the K rows of each of its H/HKV query heads, then key head g, then value head g
-    (megatron splits `linear_qkv`'s output per query group in this order)."""
-    d = q.shape[-1]
-    per_group = [t.reshape(num_kv_heads, -1, d) for t in (q, k, v)]  # [HKV, rows of the group, D]
-    return torch.cat(per_group, dim=1).reshape(-1, d)
-
-
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Inverse of `fuse_qkv`: [HKV*(H/HKV + 2)*K, D] -> (q [H*K, D], k [HKV*K, D], v [HKV*K, D])."""
-    d = qkv.shape[-1]
-    q_rows = num_heads // num_kv_heads * head_dim
-    grouped = qkv.reshape(num_kv_heads, q_rows + 2 * head_dim, d)
-    q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
-    return q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-
-
-def _layer_names(i: int) -> tuple[str, str]:
-    return f"model.layers.{i}.", f"decoder.layers.{i}."
-
-
-def _renamed(arch) -> list[tuple[str, str]]:
-    """(our name, megatron name) of every parameter that converts by its name alone; both directions
-    of the conversion read this one list."""
-    pairs = [
-        ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-        ("model.norm.weight", "decoder.final_layernorm.weight"),
-        ("lm_head.weight", "output_layer.weight"),
-    ]
-    for i in range(len(arch.layer_types)):
-        h, m = _layer_names(i)
-        pairs += [
-            (h + "input_layernorm.weight", m + "input_layernorm.weight"),
-            (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-        ]
-        if arch.layer_types[i] != "linear_attention":
-            pairs += [
-                (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-                (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
-                (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
-            ]
-        pairs += qwen35.renamed(arch, i, h, m)
-        if arch.mlp_types[i] == "moe":
-            pairs.append((h + "mlp.gate.weight", m + "mlp.router.weight"))
-        else:
-            pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
-    return pairs
-
-
-def hf_to_megatron(hf: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
-    """Our spec's (transformers') parameters -> megatron `GPTModel` (local spec) state dict.
-
-    Experts come fused as in our spec (`mlp.experts.gate_up_proj` [E, 2I, D], gate rows first;
-    `mlp.experts.down_proj` [E, D, I]); megatron's `linear_fc1` of expert e is gate_up_proj[e]
-    (megatron's SwiGLU takes the first half of fc1's output as the gate)."""
-    check_supported(arch)
-    out = {theirs: hf[ours] for ours, theirs in _renamed(arch)}
-    for i in range(len(arch.layer_types)):
-        h, m = _layer_names(i)
-        attn = h + "self_attn."
-        qwen35.to_megatron(hf, arch, i, h, m, out)  # GDN in_proj, gated qkv, shared expert
-        if arch.layer_types[i] != "linear_attention" and not arch.attn_output_gate:
-            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-                hf[attn + "q_proj.weight"],
-                hf[attn + "k_proj.weight"],
-                hf[attn + "v_proj.weight"],
-                arch.num_key_value_heads,
-            )
-        if arch.mlp_types[i] == "moe":
-            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
-            for e in range(arch.num_experts):
-                expert = f"{m}mlp.experts.local_experts.{e}."
-                out[expert + "linear_fc1.weight"] = gate_up[e]
-                out[expert + "linear_fc2.weight"] = down[e]
-        else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
-    return out
-
-
-def megatron_to_hf(mc: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_megatron` (for parameters, gradients or master weights): megatron names
-    -> our spec's names, experts stacked back into [E, 2I, D] / [E, D, I]."""
-    check_supported(arch)
-    out = {ours: mc[theirs] for ours, theirs in _renamed(arch)}
-    for i in range(len(arch.layer_types)):
-        h, m = _layer_names(i)
-        attn = h + "self_attn."
-        qwen35.to_hf(mc, arch, i, h, m, out)
-        if arch.layer_types[i] != "linear_attention" and not arch.attn_output_gate:
-            qkv = mc[m + "self_attention.linear_qkv.weight"]
-            q, k, v = split_qkv(qkv, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
-            out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-        if arch.mlp_types[i] == "moe":
-            experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(arch.num_experts)]
-            out[h + "mlp.experts.gate_up_proj"] = torch.stack([mc[x + "linear_fc1.weight"] for x in experts])
-            out[h + "mlp.experts.down_proj"] = torch.stack([mc[x + "linear_fc2.weight"] for x in experts])
-        else:
-            gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-    return out
 
 
 # ---- building the model ------------------------------------------------------------------------

@@ -14,19 +14,14 @@ exists only in TE's and apex's norms; the local `WrappedTorchNorm` refuses it. `
 is that norm (megatron's convention: weight + 1, computed in fp32 like HF) with the same
 constructor, so HF weights load unchanged (no w - 1 rounding).
 
-Layouts (HF -> megatron), all exact row moves:
-- GDN `in_proj` = [in_proj_qkv (q | k | v, head-major); in_proj_z; in_proj_b; in_proj_a] rows;
-  conv1d, A_log, dt_bias, norm (-> out_norm), out_proj by name.
-- gated attention: HF q_proj rows are per head [query K rows; gate K rows]; megatron's
-  `linear_qkv` with `attention_output_gate` is per KV group [its queries; their gates; key; value].
-- shared expert: linear_fc1 = [gate_proj; up_proj], linear_fc2 = down_proj, gate_weight =
-  shared_expert_gate.weight ([1, D], sigmoid-gated as HF).
-- RoPE: the align stream is text, so the three mRoPE position rows are equal and HF's interleaved
-  mRoPE equals plain partial RoPE (first `partial_rotary_factor` of each head, rotate-half): the
-  model uses megatron's `rope` with `rotary_percent`. megatron's own `mrope`
-  (`MultimodalRotaryEmbedding`) takes contiguous sections [t.. h.. w..] (Qwen2-VL), not Qwen3.5's
-  interleaved t h w t h w ... (equal on text positions; tests/tools/test_align_megatron_qwen35.py
-  measures it on image-like positions).
+RoPE: the align stream is text, so the three mRoPE position rows are equal and HF's interleaved
+mRoPE equals plain partial RoPE (first `partial_rotary_factor` of each head, rotate-half): the
+model uses megatron's `rope` with `rotary_percent`. megatron's own `mrope`
+(`MultimodalRotaryEmbedding`) takes contiguous sections [t.. h.. w..] (Qwen2-VL), not Qwen3.5's
+interleaved t h w t h w ... (equal on text positions; tests/tools/test_align_megatron_qwen35.py
+measures it on image-like positions).
+
+The HF <-> megatron names and layouts of these parts are in `megatron_names.py`.
 """
 
 from __future__ import annotations
@@ -34,8 +29,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
-GDN_HF = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def fla_backward_refused() -> str | None:
@@ -131,84 +124,3 @@ def decoder_block_spec(config, arch):
     if arch.norm_unit_offset:
         block.layer_norm = UnitOffsetRMSNorm
     return block
-
-
-# ---- HF <-> megatron --------------------------------------------------------------------------
-
-
-def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int):
-    """HF gated q_proj [H*2K, D] (per head: query rows, gate rows) with k, v [HKV*K, D] ->
-    megatron's gated `linear_qkv` [HKV*(2H/HKV + 2)*K, D]: per KV group its queries, their gates,
-    the key head, the value head."""
-    d = q_gate.shape[-1]
-    q, gate = q_gate.reshape(num_heads, 2, -1, d).unbind(1)  # [H, K, D] each
-    per_group = [t.reshape(num_kv_heads, -1, d) for t in (q, gate, k, v)]
-    return torch.cat(per_group, dim=1).reshape(-1, d)
-
-
-def split_gated_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Inverse of `fuse_gated_qkv` -> (q_proj [H*2K, D], k [HKV*K, D], v [HKV*K, D])."""
-    d = qkv.shape[-1]
-    q_rows = num_heads // num_kv_heads * head_dim
-    grouped = qkv.reshape(num_kv_heads, 2 * q_rows + 2 * head_dim, d)
-    q, gate, k, v = grouped.split([q_rows, q_rows, head_dim, head_dim], dim=1)
-    q_gate = torch.stack([q.reshape(num_heads, head_dim, d), gate.reshape(num_heads, head_dim, d)], dim=1)
-    return q_gate.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-
-
-def renamed(arch, i: int, h: str, m: str) -> list[tuple[str, str]]:
-    """(HF name, megatron name) of layer i's Qwen3.5 parameters that move by name."""
-    pairs = []
-    if arch.layer_types[i] == "linear_attention":
-        a, b = h + "linear_attn.", m + "self_attention."
-        pairs += [(a + n, b + n) for n in ("conv1d.weight", "A_log", "dt_bias", "out_proj.weight")]
-        pairs.append((a + "norm.weight", b + "out_norm.weight"))
-    if arch.mlp_types[i] == "moe" and arch.shared_expert_intermediate_size:
-        pairs += [
-            (h + "mlp.shared_expert.down_proj.weight", m + "mlp.shared_experts.linear_fc2.weight"),
-            (h + "mlp.shared_expert_gate.weight", m + "mlp.shared_experts.gate_weight"),
-        ]
-    return pairs
-
-
-def to_megatron(hf: dict, arch, i: int, h: str, m: str, out: dict) -> None:
-    """Layer i's fused Qwen3.5 tensors, HF -> megatron, into `out`."""
-    if arch.layer_types[i] == "linear_attention":
-        out[m + "self_attention.in_proj.weight"] = torch.cat([hf[f"{h}linear_attn.{n}.weight"] for n in GDN_HF])
-    elif arch.attn_output_gate:
-        attn = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = fuse_gated_qkv(
-            hf[attn + "q_proj.weight"],
-            hf[attn + "k_proj.weight"],
-            hf[attn + "v_proj.weight"],
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-        )
-    if arch.mlp_types[i] == "moe" and arch.shared_expert_intermediate_size:
-        se = h + "mlp.shared_expert."
-        out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf[se + "gate_proj.weight"], hf[se + "up_proj.weight"]]
-        )
-
-
-def to_hf(mc: dict, arch, i: int, h: str, m: str, out: dict) -> None:
-    """Inverse of `to_megatron` for layer i."""
-    if arch.layer_types[i] == "linear_attention":
-        qk = arch.linear_num_key_heads * arch.linear_key_head_dim
-        v = arch.linear_num_value_heads * arch.linear_value_head_dim
-        nv = arch.linear_num_value_heads
-        parts = mc[m + "self_attention.in_proj.weight"].split([2 * qk + v, v, nv, nv])
-        out.update({f"{h}linear_attn.{n}.weight": t for n, t in zip(GDN_HF, parts)})
-    elif arch.attn_output_gate:
-        attn = h + "self_attn."
-        q, k, v = split_gated_qkv(
-            mc[m + "self_attention.linear_qkv.weight"],
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-            arch.head_dim,
-        )
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-    if arch.mlp_types[i] == "moe" and arch.shared_expert_intermediate_size:
-        gate, up = mc[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
-        se = h + "mlp.shared_expert."
-        out[se + "gate_proj.weight"], out[se + "up_proj.weight"] = gate, up
