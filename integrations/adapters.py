@@ -109,6 +109,8 @@ def make_apply_rotary_pos_emb() -> Callable:
         # position_ids: an old transformers argument VeOmni's Qwen3-MoE modeling still passes (unused there too)
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, K]) or 2 ([B, T, H, K]), got {unsqueeze_dim}")
+        if cos.shape[0] == 1 and q.shape[0] > 1:  # one position row shared by the batch: a stride-0 view
+            cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)
         if unsqueeze_dim == 2:
             return impl(q, k, cos, sin)
         q_out, k_out = impl(q.transpose(1, 2), k.transpose(1, 2), cos, sin)

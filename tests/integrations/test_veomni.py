@@ -5,6 +5,7 @@ Tolerances (fp32; Triton kernels under TRITON_INTERPRET on CPU, small shapes):
 |---|---|
 | logits, loss, per-token log-probs and entropy | rel RMS 1e-5 against VeOmni's eager model in fp32 |
 | every parameter gradient | rel RMS against the eager model in fp64 <= max(1e-4, 10 x the fp32 eager model's own) |
+| A_log, dt_bias gradients | the same with 1e-3: sums over tokens that cancel (an element ~1e-6 of terms ~1e-4) |
 
 VeOmni's eager GatedDeltaNet refuses packed sequences (no torch conv or chunk kernel takes cu_seqlens), so
 its two GDN slots run transformers' torch chunk kernel and a depthwise F.conv1d one sequence at a time here.
@@ -35,6 +36,8 @@ from veomni.models import build_foundation_model  # noqa: E402
 from verl_moe.integrations import veomni as integration  # noqa: E402
 
 TOL, GRAD_TOL = 1e-5, 1e-4
+DECAY_GRAD_TOL = 1e-3
+DECAY_PARAMS = ("A_log", "dt_bias")
 FIELDS = integration.CONFIG_FIELDS
 # VeOmni slots of Qwen3.5-MoE we have no kernel for (docs/integrations.md)
 UNCOVERED = {("load_balancing_loss", "standard")}
@@ -155,7 +158,8 @@ def test_verl_moe_slots_equal_eager_slots(monkeypatch, restore_veomni_state):
         assert rel_rms(ref[i], ours[i]) <= TOL, name
     assert ours[2].keys() == ref[2].keys() == ref64[2].keys()
     for name, g in ours[2].items():
-        bound = max(GRAD_TOL, 10 * rel_rms(ref64[2][name], ref[2][name]))
+        floor = DECAY_GRAD_TOL if name.endswith(DECAY_PARAMS) else GRAD_TOL
+        bound = max(floor, 10 * rel_rms(ref64[2][name], ref[2][name]))
         assert rel_rms(ref64[2][name], g) <= bound, name
 
 
