@@ -46,11 +46,20 @@ class BenchConfig:
             raise FileNotFoundError(f"--json {self.json_path}: folder {Path(self.json_path).parent} does not exist")
 
 
+# names that are not op folders -> their bench module: the training step, and our kernels inside the anchors'
+# own models (VeOmni's kernel slots, transformers' patched model)
+BENCH_MODULES = {
+    "model": "verl_moe.models.train_step_bench",
+    "veomni": "verl_moe.integrations.veomni_bench",
+    "transformers": "verl_moe.integrations.transformers_bench",
+}
+
+
 def bench_ops() -> list[str]:
-    """What `verl-moe bench` takes: each op folder of verl_moe.ops with a bench.py, and `model`."""
+    """What `verl-moe bench` takes: each op folder of verl_moe.ops with a bench.py, and BENCH_MODULES."""
     from .. import ops
 
-    return [*sorted(p.parent.name for p in Path(ops.__file__).parent.glob("*/bench.py")), "model"]
+    return [*sorted(p.parent.name for p in Path(ops.__file__).parent.glob("*/bench.py")), *BENCH_MODULES]
 
 
 def _peak_extra_gib(fn) -> float:
@@ -75,8 +84,7 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the benchmark of `cfg.op`; returns the report dict, also written to cfg.json_path after
     every (case, mode), so a run cut short keeps what it measured. `on_row` sees each row as soon
     as it is measured (its ratio columns come with the report)."""
-    # `model` is the end-to-end training step (models/train_step_bench.py); every other name is an op folder.
-    module = "verl_moe.models.train_step_bench" if cfg.op == "model" else f"verl_moe.ops.{cfg.op}.bench"
+    module = BENCH_MODULES.get(cfg.op, f"verl_moe.ops.{cfg.op}.bench")
     bench = importlib.import_module(module)
     dev = device.current_device()
     providers = cfg.providers or tuple(bench.PROVIDERS)

@@ -44,21 +44,6 @@ UNCOVERED = {("load_balancing_loss", "standard")}
 LENGTHS = [5, 9]
 
 
-@pytest.fixture(scope="module")
-def restore_veomni_state():
-    """VeOmni binds module-level slots and transformers' LOSS_MAPPING: put both back for later tests."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    saved = dict(LOSS_MAPPING)
-    yield
-    LOSS_MAPPING.clear()
-    LOSS_MAPPING.update(saved)
-    for module in [m for n, m in sys.modules.items() if n.startswith(integration.GENERATED_PREFIX)]:
-        for value in list(vars(module).values()):
-            if type(value).__name__ == "OpSlot":
-                value._kernel, value._impl_name = None, None
-
-
 def _ops(impl: str) -> OpsImplementationConfig:
     return OpsImplementationConfig(
         attn_implementation="sdpa",
