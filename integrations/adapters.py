@@ -74,12 +74,13 @@ def make_causal_conv1d_btc() -> Callable:
 
 def make_causal_conv1d_bct() -> Callable:
     """The `causal_conv1d` package's convention (what transformers' GatedDeltaNet calls): x [B, C, T],
-    weight [C, W] -> [B, C, T]. A `seq_idx` [1, T] of sequence ids becomes cu_seqlens."""
+    weight [C, W] -> [B, C, T]. Packed sequences come as transformers' `cu_seq_lens_q` (5.17 passes its
+    attention kwargs on) or as a `seq_idx` [1, T] of sequence ids (5.10); other attention kwargs are unused."""
     impl = resolve("conv1d")
 
-    def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **_unused):
-        cu_seqlens = None
-        if seq_idx is not None:
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **attention_kwargs):
+        cu_seqlens = attention_kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None and seq_idx is not None:
             if seq_idx.shape[0] != 1:
                 raise ValueError(f"seq_idx needs batch 1 (packed sequences), got {tuple(seq_idx.shape)}")
             counts = torch.bincount(seq_idx[0].long())

@@ -11,8 +11,16 @@ head keep transformers' code (docs/integrations.md).
   GatedDeltaNet's constructor picks up, so models built afterwards (and the class-level parts of existing
   ones) run ours; fla's gated norm class is set aside so new models build transformers' (ours inside).
 - `model=<instance>` patches that model's modules only (instance attributes), leaving the classes alone.
-  transformers' attention calls the module-level `apply_rotary_pos_emb`, so an instance's attention modules
-  get a forward that swaps it in for the duration of their own call (one thread at a time).
+  Where transformers calls a module-level function from a forward (the attention's `apply_rotary_pos_emb`;
+  GatedDeltaNet's kernels in newer releases), the instance's module gets a forward that swaps ours in for
+  the duration of its own call (one thread at a time).
+
+GatedDeltaNet's kernels are found in one of two places (`gdn_kernels_at_construction`): transformers 5.10
+copies the module-level `causal_conv1d_fn` / `chunk_gated_delta_rule` (the causal-conv1d package's and fla's,
+or None) into instance attributes of the same names at construction; later releases (5.17) call the
+module-level `causal_conv1d_fn` / `torch_chunk_gated_delta_rule` (wrappers that pick fla when installed)
+from forward. A class, function or attribute the patch expects and the installed transformers lacks is a
+ValueError naming it, never a silently unpatched model.
 
 `revert_*` puts back exactly what `apply_*` replaced, so outputs are again bitwise transformers'. Each
 apply resolves our implementations once (`ops.dispatch.resolve`: triton on cuda/npu, the torch reference
@@ -95,8 +103,57 @@ def _kernels(family: Family) -> dict:
     if family.gdn is not None:
         kernels["gated_norm_forward"] = adapters.make_gated_rms_norm_forward()
         kernels["conv"] = adapters.make_causal_conv1d_bct()
-        kernels["gdn"] = adapters.make_chunk_gated_delta_rule()
+        kernels["gdn"] = _gdn_taking_attention_kwargs(adapters.make_chunk_gated_delta_rule())
     return kernels
+
+
+def _gdn_taking_attention_kwargs(gdn):
+    """transformers 5.17 passes its remaining attention kwargs (max_length_q, ...) on to the GDN kernel."""
+
+    def chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        **_attention_kwargs,
+    ):
+        return gdn(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens,
+        )
+
+    chunk_gated_delta_rule.verl_moe_impl = gdn.verl_moe_impl
+    return chunk_gated_delta_rule
+
+
+def gdn_kernels_at_construction(mod) -> bool:
+    """True where GatedDeltaNet takes its kernels into instance attributes at construction (transformers 5.10),
+    False where its forward calls the module-level functions (5.17); see the module docstring."""
+    return "chunk_gated_delta_rule" in vars(mod)
+
+
+def _require(mod, family: Family) -> None:
+    names = [family.norm, family.attention, family.router, family.experts, "apply_rotary_pos_emb"]
+    if family.gdn is not None:
+        names += [family.gdn, family.gated_norm, "causal_conv1d_fn"]
+        names += [] if gdn_kernels_at_construction(mod) else ["torch_chunk_gated_delta_rule"]
+    missing = [name for name in names if not hasattr(mod, name)]
+    if missing:
+        import transformers
+
+        raise ValueError(f"transformers {transformers.__version__}'s {mod.__name__} has no {', '.join(missing)}")
 
 
 def _own(owner, attr: str):
@@ -124,6 +181,7 @@ def _apply_classes(family: Family) -> None:
     if family.module in _class_patches:
         return
     mod = importlib.import_module(family.module)
+    _require(mod, family)
     k, stash = _kernels(family), []
     _set(stash, getattr(mod, family.norm), "forward", k["norm_forward"])
     _set(stash, mod, "apply_rotary_pos_emb", k["rope"])
@@ -131,21 +189,29 @@ def _apply_classes(family: Family) -> None:
     _set(stash, getattr(mod, family.experts), "forward", k["experts_forward"])
     if family.gdn is not None:
         _set(stash, getattr(mod, family.gated_norm), "forward", k["gated_norm_forward"])
-        # read by GatedDeltaNet.__init__; fla's gated norm class (when installed) would bypass ours
-        _set(stash, mod, "FusedRMSNormGated", None)
         _set(stash, mod, "causal_conv1d_fn", k["conv"])
-        _set(stash, mod, "chunk_gated_delta_rule", k["gdn"])
+        if gdn_kernels_at_construction(mod):
+            # read by GatedDeltaNet.__init__; fla's gated norm class (when installed) would bypass ours
+            _set(stash, mod, "FusedRMSNormGated", None)
+            _set(stash, mod, "chunk_gated_delta_rule", k["gdn"])
+        else:
+            _set(stash, mod, "torch_chunk_gated_delta_rule", k["gdn"])
     _class_patches[family.module] = stash
 
 
-def _rope_swapping_forward(mod, rope):
+def swapping_forward(mod, functions: dict):
+    """A forward for one module instance: its class's forward with `mod`'s module-level `functions` (name ->
+    callable) swapped in for the duration of the call."""
+
     def forward(self, *args, **kwargs):
-        saved = mod.apply_rotary_pos_emb
-        mod.apply_rotary_pos_emb = rope
+        saved = {name: getattr(mod, name) for name in functions}
+        for name, fn in functions.items():
+            setattr(mod, name, fn)
         try:
             return type(self).forward(self, *args, **kwargs)
         finally:
-            mod.apply_rotary_pos_emb = saved
+            for name, fn in saved.items():
+                setattr(mod, name, fn)
 
     return forward
 
@@ -154,12 +220,13 @@ def _apply_instance(family: Family, model: nn.Module) -> None:
     if model in _instance_patches:
         return
     mod = importlib.import_module(family.module)
+    _require(mod, family)
     k, stash = _kernels(family), []
     bound = {
         getattr(mod, family.norm): k["norm_forward"],
         getattr(mod, family.router): k["router_forward"],
         getattr(mod, family.experts): k["experts_forward"],
-        getattr(mod, family.attention): _rope_swapping_forward(mod, k["rope"]),
+        getattr(mod, family.attention): swapping_forward(mod, {"apply_rotary_pos_emb": k["rope"]}),
     }
     gdn_cls = getattr(mod, family.gdn) if family.gdn is not None else None
     gated_cls = getattr(mod, family.gated_norm) if family.gated_norm is not None else None
@@ -167,7 +234,11 @@ def _apply_instance(family: Family, model: nn.Module) -> None:
         bound[gated_cls] = k["gated_norm_forward"]
     found = False
     for module in list(model.modules()):
-        if gdn_cls is not None and isinstance(module, gdn_cls):
+        if gdn_cls is not None and isinstance(module, gdn_cls) and not gdn_kernels_at_construction(mod):
+            kernels = {"causal_conv1d_fn": k["conv"], "torch_chunk_gated_delta_rule": k["gdn"]}
+            _set(stash, module, "forward", types.MethodType(swapping_forward(mod, kernels), module))
+            found = True
+        elif gdn_cls is not None and isinstance(module, gdn_cls):
             _set(stash, module, "causal_conv1d_fn", k["conv"])
             _set(stash, module, "chunk_gated_delta_rule", k["gdn"])
             if not isinstance(module.norm, gated_cls):

@@ -145,3 +145,24 @@ def test_patching_another_family_fails():
     with pytest.raises(ValueError, match="has no modeling_qwen3_moe modules"):
         patch.apply_to_qwen3_moe(model)
     assert "forward" not in vars(model.model.layers[0].mlp.experts)
+
+
+def test_swapping_forward_holds_the_swap_for_its_own_call_only():
+    """The mechanism behind a per-instance rope (and transformers 5.17's GDN functions)."""
+    import types
+
+    mod = types.ModuleType("fake_modeling")
+    mod.kernel = lambda x: x + 1
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            if x is None:
+                raise RuntimeError("boom")
+            return mod.kernel(x)
+
+    ours, other = Layer(), Layer()
+    ours.forward = types.MethodType(patch.swapping_forward(mod, {"kernel": lambda x: x * 10}), ours)
+    assert ours(2) == 20 and other(2) == 3 and mod.kernel(2) == 3
+    with pytest.raises(RuntimeError, match="boom"):
+        ours(None)
+    assert mod.kernel(2) == 3
