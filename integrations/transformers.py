@@ -30,6 +30,7 @@ on cpu, `VERL_MOE_OPS` overrides).
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
 import weakref
 from dataclasses import dataclass
@@ -234,19 +235,8 @@ def _apply_instance(family: Family, model: nn.Module) -> None:
         bound[gated_cls] = k["gated_norm_forward"]
     found = False
     for module in list(model.modules()):
-        if gdn_cls is not None and isinstance(module, gdn_cls) and not gdn_kernels_at_construction(mod):
-            kernels = {"causal_conv1d_fn": k["conv"], "torch_chunk_gated_delta_rule": k["gdn"]}
-            _set(stash, module, "forward", types.MethodType(swapping_forward(mod, kernels), module))
-            found = True
-        elif gdn_cls is not None and isinstance(module, gdn_cls):
-            _set(stash, module, "causal_conv1d_fn", k["conv"])
-            _set(stash, module, "chunk_gated_delta_rule", k["gdn"])
-            if not isinstance(module.norm, gated_cls):
-                # fla's FusedRMSNormGated: transformers' class around the same weight, with ours inside
-                norm = gated_cls(module.norm.weight.shape[0], eps=module.norm.eps)
-                norm.weight = module.norm.weight
-                norm.forward = types.MethodType(k["gated_norm_forward"], norm)
-                _set(stash, module, "norm", norm)
+        if gdn_cls is not None and isinstance(module, gdn_cls):
+            _set_gdn_kernels(stash, mod, module, gated_cls, k["conv"], k["gdn"], k["gated_norm_forward"])
             found = True
         for cls, forward in bound.items():
             if type(module) is cls:
@@ -256,6 +246,39 @@ def _apply_instance(family: Family, model: nn.Module) -> None:
         _restore(stash)
         raise ValueError(f"{type(model).__name__} has no {family.module.rpartition('.')[2]} modules to patch")
     _instance_patches[model] = stash
+
+
+def _set_gdn_kernels(stash: list, mod, module: nn.Module, gated_cls, conv, gdn, norm_forward) -> None:
+    """Give one GatedDeltaNet `conv` and `gdn` (and its gated norm `norm_forward`, None: the class's own)."""
+    if not gdn_kernels_at_construction(mod):
+        kernels = {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": gdn}
+        _set(stash, module, "forward", types.MethodType(swapping_forward(mod, kernels), module))
+        return
+    _set(stash, module, "causal_conv1d_fn", conv)
+    _set(stash, module, "chunk_gated_delta_rule", gdn)
+    if not isinstance(module.norm, gated_cls):
+        # fla's FusedRMSNormGated: transformers' class around the same weight
+        norm = gated_cls(module.norm.weight.shape[0], eps=module.norm.eps)
+        norm.weight = module.norm.weight
+        if norm_forward is not None:
+            norm.forward = types.MethodType(norm_forward, norm)
+        _set(stash, module, "norm", norm)
+
+
+def use_torch_gdn(model: nn.Module) -> None:
+    """Run `model`'s Qwen3.5-MoE GatedDeltaNet layers on transformers' own torch code (conv, chunked rule,
+    gated norm) even where fla is installed: the references of our tests and `verl-moe bench transformers`'
+    baseline. For good (no revert); `apply_to_qwen3_5_moe(model)` / `revert_qwen3_5_moe(model)` work on top."""
+    mod = importlib.import_module(QWEN3_5_MOE.module)
+    _require(mod, QWEN3_5_MOE)
+    gdn_cls, gated_cls = getattr(mod, QWEN3_5_MOE.gdn), getattr(mod, QWEN3_5_MOE.gated_norm)
+    if gdn_kernels_at_construction(mod):
+        conv, gdn = None, mod.torch_chunk_gated_delta_rule  # None: transformers' nn.Conv1d + SiLU path
+    else:
+        conv, gdn = inspect.unwrap(mod.causal_conv1d_fn), inspect.unwrap(mod.torch_chunk_gated_delta_rule)
+    for module in list(model.modules()):
+        if isinstance(module, gdn_cls):
+            _set_gdn_kernels([], mod, module, gated_cls, conv, gdn, None)
 
 
 def _revert(family: Family, model: nn.Module | None) -> None:

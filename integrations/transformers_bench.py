@@ -12,10 +12,7 @@ The step: full logits, mean NLL of token t+1, backward. transformers' GatedDelta
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
-import types
 
 import torch
 
@@ -30,11 +27,6 @@ REFERENCE = "transformers"
 MODES = ("fwd", "fwd_bwd")
 # the bf16 loss (as `verl-moe bench model`); fp32 equality and gradients: tests/integrations/test_transformers.py
 TOLERANCE = {"verl_moe": 1e-3, "transformers": 0.0, "transformers_torch": 1e-3}
-MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
-# transformers 5.10: module-level kernels GatedDeltaNet takes at construction (None: its torch code)
-CONSTRUCTION_KERNELS = ("chunk_gated_delta_rule", "causal_conv1d_fn", "FusedRMSNormGated")
-# transformers 5.17: module-level wrappers its forward calls (they pick fla when installed; unwrapped: torch)
-CALL_TIME_KERNELS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
 
 def unavailable(provider: str) -> str | None:
@@ -49,29 +41,15 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 def _build(provider: str, inputs: dict):
     from transformers import Qwen3_5MoeForCausalLM
 
-    from .transformers import apply_to_qwen3_5_moe, gdn_kernels_at_construction, swapping_forward
+    from .transformers import apply_to_qwen3_5_moe, use_torch_gdn
 
     config = inputs["config"]
     config._attn_implementation = "sdpa"
     config._experts_implementation = "grouped_mm"  # transformers' fastest expert path
-    mod = importlib.import_module(MODELING)
-    torch_only = provider == "transformers_torch"
-    at_construction = gdn_kernels_at_construction(mod)
-    saved = {name: vars(mod)[name] for name in CONSTRUCTION_KERNELS} if at_construction else {}
-    if torch_only:
-        for name in saved:
-            setattr(mod, name, None)
-    try:
-        with torch.device(inputs["input_ids"].device):
-            model = Qwen3_5MoeForCausalLM(config).to(inputs["dtype"])
-    finally:
-        for name, value in saved.items():
-            setattr(mod, name, value)
-    if torch_only and not at_construction:
-        torch_code = {name: inspect.unwrap(getattr(mod, name)) for name in CALL_TIME_KERNELS}
-        for module in model.modules():
-            if isinstance(module, mod.Qwen3_5MoeGatedDeltaNet):
-                module.forward = types.MethodType(swapping_forward(mod, torch_code), module)
+    with torch.device(inputs["input_ids"].device):
+        model = Qwen3_5MoeForCausalLM(config).to(inputs["dtype"])
+    if provider == "transformers_torch":
+        use_torch_gdn(model)
     model.load_state_dict(inputs["state"], strict=True)
     if provider == "verl_moe":
         apply_to_qwen3_5_moe(model)

@@ -9,13 +9,11 @@ Tolerances (fp32; Triton kernels under TRITON_INTERPRET on CPU, small shapes):
 | A_log, dt_bias gradients | the same with 1e-3: sums over tokens that cancel (an element ~1e-6 of terms ~1e-4) |
 | after revert | logits and gradients bitwise equal to the unpatched run |
 
-Unpatched, transformers' Qwen3.5 GatedDeltaNet runs its torch fallback (no fla on CPU), an independent
-reference for our GDN and conv kernels. Two unpadded sequences side by side (batch 2).
+Unpatched, transformers' Qwen3.5 GatedDeltaNet runs its torch code (`use_torch_gdn`, also where fla is
+installed), an independent reference for our GDN and conv kernels. Two unpadded sequences side by side (batch 2).
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -56,7 +54,9 @@ def _our_triton_kernels(monkeypatch):
         monkeypatch.setenv("VERL_MOE_OPS", "triton")  # our Triton kernels, in the interpreter
 
 
-def _model(family: str):
+def _model(family: str, torch_gdn: bool = True):
+    """The family's tiny model, same weights on every call; GatedDeltaNet on transformers' torch code unless
+    torch_gdn is False (where fla is installed transformers would call it, in fp64 too)."""
     make_config, cls, *_ = FAMILIES[family]
     config = make_config()
     config._experts_implementation = "eager"  # transformers' grouped_mm path has no fp64
@@ -65,6 +65,8 @@ def _model(family: str):
     with torch.no_grad():
         for p in model.parameters():  # norms start at 0 / 1: give every weight a part in the result
             p.add_(0.05 * torch.randn_like(p))
+    if torch_gdn and family == "qwen3.5-moe":
+        patch.use_torch_gdn(model)
     return model.to(device.current_device())
 
 
@@ -105,8 +107,8 @@ def test_instance_patch_equals_unpatched_and_reverts_bitwise(family):
     model = _model(family)
     ids = torch.randint(1, 128, (B, T), device=device.current_device())
     ref = _run(model, ids)
-    ref64 = _run(copy.deepcopy(model).double(), ids)
-    other = copy.deepcopy(model)
+    ref64 = _run(_model(family).double(), ids)
+    other = _model(family)
     apply(model)
     _assert_ours_inside(family, model)
     _assert_matches(ref, ref64, _run(model, ids))
@@ -124,19 +126,17 @@ def test_class_patch_equals_unpatched_and_reverts(family):
     _, cls, mod, apply, revert = FAMILIES[family]
     before = dict(vars(mod))
     ids = torch.randint(1, 128, (B, T), device=device.current_device())
-    ref_model = _model(family)
-    ref = _run(ref_model, ids)
-    ref64 = _run(copy.deepcopy(ref_model).double(), ids)
+    ref = _run(_model(family), ids)
+    ref64 = _run(_model(family).double(), ids)
     apply()
     try:
-        model = _model(family)  # built after apply: the same weights (same seed), our kernels
+        model = _model(family, torch_gdn=False)  # built after apply: the same weights (same seed), our kernels
         _assert_ours_inside(family, model)
         _assert_matches(ref, ref64, _run(model, ids))
     finally:
         revert()
     assert all(vars(mod)[name] is value for name, value in before.items())
-    fresh = _model(family)
-    back = _run(fresh, ids)
+    back = _run(_model(family), ids)
     assert torch.equal(back[0], ref[0])
 
 
