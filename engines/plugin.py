@@ -39,10 +39,11 @@ Two more of verl's tables keyed by HF model type get our types (`register_model_
 count behind `perf/mfu/actor` and the agent loop's Continuous Token builder family.
 
 Where VeOmni is installed, our kernels join its kernel registry under the name `verl_moe`
-(`register_integrations`, `integrations/veomni.py`), so verl's own VeOmni engine selects them by config
+(`register_veomni_kernels`, `integrations/veomni.py`), so verl's own VeOmni engine selects them by config
 (`engine.chunk_gated_delta_rule_implementation=verl_moe`, ...). It adds names and replaces none, so it does
-not depend on `VERL_MOE_OVERRIDE`; a failure there (an unchecked VeOmni version) is logged on its own and
-leaves the rest registered.
+not depend on `VERL_MOE_OVERRIDE`. `VERL_MOE_TRANSFORMERS_KERNELS=1` also puts our kernels into
+transformers' Qwen3.5-MoE / Qwen3-MoE classes (`patch_transformers`), for verl's FSDP engine on transformers'
+model. A failure in either (an unchecked VeOmni version) is logged on its own and leaves the rest registered.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ import sys
 logger = logging.getLogger(__name__)
 
 OVERRIDE_ENV = "VERL_MOE_OVERRIDE"
+# =1: our kernels in transformers' Qwen3.5-MoE / Qwen3-MoE classes in every verl process (for verl's own engines)
+TRANSFORMERS_KERNELS_ENV = "VERL_MOE_TRANSFORMERS_KERNELS"
 # device -> vendor: we only write (device, vendor) keys; verl's device-only keys stay verl's.
 # "cpu" is the vendor of our cpu platform (engines/platform.py).
 REGISTRY_KEYS = {"cuda": "nvidia", "npu": "huawei", "cpu": "cpu"}
@@ -72,12 +75,16 @@ def missing_module_hint(exc: ImportError) -> str:
     return f"missing module {exc.name!r}{hint}"
 
 
+def _env_flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value in ("1", "true", "on")
+
+
 def override_enabled() -> bool:
     """False when `VERL_MOE_OVERRIDE=0` (or `false`/`off`): verl's engines then serve every model."""
-    value = os.environ.get(OVERRIDE_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{OVERRIDE_ENV}={value!r}: expected 0 or 1")
-    return value in ("1", "true", "on")
+    return _env_flag(OVERRIDE_ENV, "1")
 
 
 def register_platform() -> None:
@@ -193,14 +200,29 @@ def register_vllm_cpu() -> None:
     _registered.add("vllm_cpu")
 
 
-def register_integrations() -> None:
+def register_veomni_kernels() -> None:
     """Our kernels as VeOmni `KernelSpec`s named `verl_moe` (nothing happens without VeOmni installed)."""
-    if "integrations" in _registered:
+    if "veomni_kernels" in _registered:
         return
     from verl_moe.integrations import veomni as veomni_kernels
 
     veomni_kernels.register()
-    _registered.add("integrations")
+    _registered.add("veomni_kernels")
+
+
+def patch_transformers() -> None:
+    """With `VERL_MOE_TRANSFORMERS_KERNELS=1`: our kernels in transformers' Qwen3.5-MoE and Qwen3-MoE
+    classes (`integrations/transformers.py`), for verl's own FSDP engine building transformers' model."""
+    if "transformers_kernels" in _registered or not _env_flag(TRANSFORMERS_KERNELS_ENV, "0"):
+        return
+    from verl_moe.integrations.transformers import apply_to_qwen3_5_moe, apply_to_qwen3_moe
+
+    apply_to_qwen3_5_moe()
+    apply_to_qwen3_moe()
+    logger.info(
+        "verl_moe: our kernels patched into transformers' Qwen3.5-MoE and Qwen3-MoE (%s=1)", TRANSFORMERS_KERNELS_ENV
+    )
+    _registered.add("transformers_kernels")
 
 
 def register_all() -> None:
@@ -230,7 +252,12 @@ except ImportError as exc:  # verl's loader would hide this at debug level
     logger.warning("verl_moe: registration skipped, %s; verl's engines are used", missing_module_hint(exc))
 except Exception as exc:
     logger.warning("verl_moe: registration failed (%s: %s); verl's engines are used", type(exc).__name__, exc)
+# kept apart from register_all: a failure here leaves our engines registered
 try:
-    register_integrations()
-except Exception as exc:  # kept apart: our engines stay registered
+    register_veomni_kernels()
+except Exception as exc:
     logger.warning("verl_moe: VeOmni kernels not registered as 'verl_moe': %s", exc)
+try:
+    patch_transformers()
+except Exception as exc:
+    logger.warning("verl_moe: %s=1 but transformers was not patched: %s", TRANSFORMERS_KERNELS_ENV, exc)

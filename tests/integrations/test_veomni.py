@@ -18,6 +18,7 @@ import ast
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -192,18 +193,24 @@ importlib.import_module("verl")  # our verl.plugins entry point registers the en
 after = KERNEL_REGISTRY._specs
 kept = all(after[key][name] is spec for key, bucket in before.items() for name, spec in bucket.items())
 ours = sorted(f"{op}/{variant}" for (op, variant), bucket in after.items() if "verl_moe" in bucket)
-print(json.dumps({"kept": kept, "ours": ours}))
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+patched = m.Qwen3_5MoeExperts.forward.__module__.startswith("verl_moe.")
+print(json.dumps({"kept": kept, "ours": ours, "transformers_patched": patched}))
 """
 
 
 def test_import_verl_registers_without_replacing():
+    """`import verl` alone: our VeOmni entries, none of VeOmni's replaced; with VERL_MOE_TRANSFORMERS_KERNELS=1
+    also transformers' classes patched (verl's FSDP engine on transformers' model)."""
     if importlib.util.find_spec("verl") is None:
         pytest.skip("needs verl (our entry point is verl's plugin group)")
-    out = subprocess.run([sys.executable, "-c", REGISTRY_CHECK], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "VERL_MOE_TRANSFORMERS_KERNELS": "1"}
+    out = subprocess.run([sys.executable, "-c", REGISTRY_CHECK], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kept"], "a VeOmni kernel entry was replaced"
     assert result["ours"] == sorted(f"{op}/{variant}" for op, variant in integration.SLOTS)
+    assert result["transformers_patched"]
 
 
 def test_unchecked_version_or_slot_fails_in_one_line(monkeypatch):
