@@ -303,3 +303,21 @@ def test_verl_moe_slots_match_veomni_gpu_kernels(restore_veomni_state):
     ours = _run(_build("verl_moe", state, torch.bfloat16, ops=bench_ops("verl_moe")), ids, kw)
     for name, i in (("logits", 0), ("loss", 1), ("log_probs", 3), ("entropy", 4)):
         assert rel_rms(theirs[i], ours[i]) <= BF16_TOL, name
+
+
+def test_verl_veomni_engine_config_selects_ours(monkeypatch, restore_veomni_state):
+    """verl's own VeOmni engine turns `engine.<field>=verl_moe` into VeOmni's ops config: our kernels bind."""
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("needs verl")
+    from verl.workers.config import VeOmniEngineConfig
+    from verl.workers.engine.veomni.transformer_impl import _build_ops_implementation_config
+
+    if not device.is_accelerator():
+        monkeypatch.setenv("VERL_MOE_OPS", "triton")
+    engine_config = VeOmniEngineConfig(attn_implementation="sdpa", **dict.fromkeys(FIELDS, "verl_moe"))
+    model = _build("verl_moe", _weights(), ops=_build_ops_implementation_config(engine_config))
+    module = sys.modules[type(model).__module__]
+    bound = {(v.op_name, v.variant): v._impl_name for v in vars(module).values() if type(v).__name__ == "OpSlot"}
+    assert {key: name for key, name in bound.items() if key not in UNCOVERED} == dict.fromkeys(
+        set(bound) - UNCOVERED, "verl_moe"
+    )
