@@ -214,6 +214,7 @@ def swapping_forward(mod, functions: dict):
             for name, fn in saved.items():
                 setattr(mod, name, fn)
 
+    forward.swapped = functions
     return forward
 
 

@@ -87,18 +87,28 @@ def _assert_matches(ref, ref64, out):
         assert rel_rms(ref64[1][name], g) <= bound, name
 
 
-def _assert_ours_inside(family: str, model) -> None:
+def _assert_ours_inside(family: str, model, instance: bool) -> None:
     """Every swapped piece of `model` runs our Triton kernels (fails if one silently kept transformers')."""
     _, _, mod, _, _ = FAMILIES[family]
     layers = model.model.layers
     if family == "qwen3.5-moe":
         gdn = next(layer.linear_attn for layer in layers if hasattr(layer, "linear_attn"))
-        assert gdn.chunk_gated_delta_rule.verl_moe_impl.__module__ == "verl_moe.ops.gdn.chunk"
-        assert gdn.causal_conv1d_fn.verl_moe_impl.__module__ == "verl_moe.ops.conv1d.conv"
+        if patch.gdn_kernels_at_construction(mod):  # transformers 5.10: instance attributes
+            conv, rule = gdn.causal_conv1d_fn, gdn.chunk_gated_delta_rule
+        elif instance:  # 5.17, one model: its forward swaps the module functions in
+            swapped = vars(gdn)["forward"].__func__.swapped
+            conv, rule = swapped["causal_conv1d_fn"], swapped["torch_chunk_gated_delta_rule"]
+        else:  # 5.17, the module
+            conv, rule = mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule
+        assert rule.verl_moe_impl.__module__ == "verl_moe.ops.gdn.chunk"
+        assert conv.verl_moe_impl.__module__ == "verl_moe.ops.conv1d.conv"
         assert gdn.norm.forward.__func__.verl_moe_impl.__module__ == "verl_moe.ops.norm.fused"
     experts = layers[0].mlp.experts
     assert experts.forward.__func__.verl_moe_impl.__module__.startswith("verl_moe.ops.experts")
     assert layers[0].mlp.gate.forward.__func__.verl_moe_impl.__module__ == "verl_moe.ops.router.topk"
+    attention = next(layer.self_attn for layer in layers if hasattr(layer, "self_attn"))
+    rope = vars(attention)["forward"].__func__.swapped["apply_rotary_pos_emb"] if instance else mod.apply_rotary_pos_emb
+    assert rope.verl_moe_impl.__module__ == "verl_moe.ops.rope.fused"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -108,13 +118,13 @@ def test_instance_patch_equals_unpatched_and_reverts_bitwise(family):
     ids = torch.randint(1, 128, (B, T), device=device.current_device())
     ref = _run(model, ids)
     ref64 = _run(_model(family).double(), ids)
-    other = _model(family)
+    other, rope = _model(family), mod.apply_rotary_pos_emb
     apply(model)
-    _assert_ours_inside(family, model)
+    _assert_ours_inside(family, model, instance=True)
     _assert_matches(ref, ref64, _run(model, ids))
     # one instance only: another model and the module keep transformers' code
     assert "forward" not in vars(other.model.layers[0].mlp.experts)
-    assert mod.apply_rotary_pos_emb.__module__ == mod.__name__
+    assert mod.apply_rotary_pos_emb is rope
     revert(model)
     back = _run(model, ids)
     assert torch.equal(back[0], ref[0])
@@ -131,7 +141,7 @@ def test_class_patch_equals_unpatched_and_reverts(family):
     apply()
     try:
         model = _model(family, torch_gdn=False)  # built after apply: the same weights (same seed), our kernels
-        _assert_ours_inside(family, model)
+        _assert_ours_inside(family, model, instance=False)
         _assert_matches(ref, ref64, _run(model, ids))
     finally:
         revert()

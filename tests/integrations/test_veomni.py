@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -72,8 +73,10 @@ def _conv_per_sequence(x, weight, bias=None, activation=None, seq_idx=None, back
 
 
 def _gdn_per_sequence(q, k, v, g, beta, initial_state=None, output_final_state=False, **kwargs):
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
+    # transformers 5.17 wraps it to call fla where installed: the torch code itself
+    torch_chunk_gated_delta_rule = inspect.unwrap(modeling_qwen3_5_moe.torch_chunk_gated_delta_rule)
     cu = kwargs.pop("cu_seqlens")
     outs = [
         torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], **kwargs)[0]
