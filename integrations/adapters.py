@@ -174,9 +174,12 @@ def make_gated_rms_norm_forward() -> Callable:
 
 
 def masked_logprobs(hidden, weight, labels, ignore_index: int, temperature) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (log p(label), entropy) through our fused LM head; hidden [..., D], labels [...]; zero (and
-    no gradient) where labels == ignore_index. Returns fp32 tensors shaped like labels."""
+    """Per-token (log p(label), entropy) through our fused LM head; hidden [..., D], labels [...], temperature
+    a float or a tensor of one value or one per label; zero (and no gradient) where labels == ignore_index.
+    Returns fp32 tensors shaped like labels."""
     shape = labels.shape
+    if torch.is_tensor(temperature):  # per token, laid out like labels; or one value
+        temperature = temperature.reshape(()) if temperature.numel() == 1 else temperature.reshape(-1)
     flat_labels = labels.reshape(-1)
     keep = flat_labels != ignore_index
     safe = torch.where(keep, flat_labels, torch.zeros_like(flat_labels)).long()

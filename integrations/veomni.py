@@ -132,9 +132,11 @@ def _causal_lm_loss() -> Callable:
         shift_here = shift_labels is None and not get_parallel_state().sp_enabled
         if shift_labels is None:
             shift_labels = labels[..., 1:] if shift_here else labels
+        temperature = kwargs.get("temperature", 1.0)
         if shift_here:
             hidden = hidden[..., :-1, :]
-        temperature = kwargs.get("temperature", 1.0)
+            if torch.is_tensor(temperature) and temperature.numel() > 1:
+                temperature = temperature[..., :-1]
         logp, entropy = adapters.masked_logprobs(hidden, weight, shift_labels, ignore_index, temperature)
         if shift_here:
             logp, entropy = (torch.nn.functional.pad(t, (0, 1)) for t in (logp, entropy))

@@ -324,3 +324,25 @@ def test_verl_veomni_engine_config_selects_ours(monkeypatch, restore_veomni_stat
     assert {key: name for key, name in bound.items() if key not in UNCOVERED} == dict.fromkeys(
         set(bound) - UNCOVERED, "verl_moe"
     )
+
+
+def test_log_prob_head_contract():
+    """The `return_log_probs` path of our causal-LM head against a plain log-softmax: VeOmni's shift (the last
+    position padded with 0), ignored labels give 0, a per-token temperature divides its own row."""
+    head = integration.SLOTS[("cross_entropy_loss", "causal")][0]()
+    T, D, VOCAB = 7, 16, 32
+    hidden, weight = torch.randn(1, T, D, dtype=torch.float64), torch.randn(VOCAB, D, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (1, T))
+    labels[0, 3] = -100
+    temperature = torch.linspace(0.5, 1.5, T, dtype=torch.float64)[None]
+    _, _, aux = head(
+        hidden_states=hidden, weights=weight, labels=labels, return_log_probs=True, temperature=temperature
+    )
+    logits = (hidden[0, :-1] @ weight.T) / temperature[0, :-1, None]
+    logp_all = torch.log_softmax(logits, -1)
+    target = labels[0, 1:]
+    keep = target != -100
+    logp = torch.where(keep, logp_all.gather(-1, target.clamp_min(0)[:, None])[:, 0], 0.0)
+    entropy = torch.where(keep, -(logp_all.exp() * logp_all).sum(-1), 0.0)
+    assert aux.log_probs.shape == labels.shape and aux.log_probs[0, -1] == 0 and aux.entropy[0, -1] == 0
+    assert rel_rms(logp, aux.log_probs[0, :-1]) <= 1e-6 and rel_rms(entropy, aux.entropy[0, :-1]) <= 1e-6
