@@ -7,7 +7,7 @@ import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from verl_moe.models import bench
+from verl_moe.models import train_step_bench as bench
 
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 sequences = int(sys.argv[2]) if len(sys.argv) > 2 else 1

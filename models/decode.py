@@ -1,39 +1,45 @@
-"""Incremental decoding over the module tree of `MoeCausalLM`: prefill prompts into a decode
-state, then advance every sequence one token per step. The rollout's generation path.
+"""Incremental decoding over the module tree of `MoeCausalLM` into fixed decode slots: prefill
+prompts into free slots, then advance the slots one token per step. The rollout's generation path.
 
 The decoder calls the model's own submodules, weights and resolved ops (norms, projections, rope,
 the packed attention / conv / gated-delta-rule ops for the prefill, MoE blocks as they are), so it
 computes what `MoeCausalLM.forward` computes; only the two token mixers are re-walked here,
-because their decode form keeps state:
+because their decode form keeps state. The state (`SlotState`) is allocated once for S slots:
 
-- full attention: a KV cache [N, HKV, L, K] per layer (k after k_norm and rope), L a capacity
-  the state grows on demand; a step writes position `lengths[n]` and attends to positions
-  `< lengths[n] + 1` (grouped heads as SDPA query rows, no head repeat);
-- GatedDeltaNet: the conv state [N, C, W-1] (last W-1 conv inputs, `ops/conv1d/step.py`) and the
-  recurrent state [N, HV, K, V] in fp32 (`ops/gdn/step.py`).
+- full attention: a KV cache [S, HKV, L, K] per layer (k after k_norm and rope), L the capacity;
+  a step writes position `lengths[s]` and attends over the whole fixed-shape cache with the
+  positions `> lengths[s]` masked (grouped heads as SDPA query rows, no head repeat);
+- GatedDeltaNet: the conv state [S, C, W-1] (last W-1 conv inputs, `ops/conv1d/step.py`) and the
+  recurrent state [S, HV, K, V] in fp32 (`ops/gdn/step.py`), stepped in place.
 
-Positions continue from the prompt (text: one row; mRoPE models get three identical rows).
-The model must be local: no sequence or expert parallelism.
+A step runs slots [0, B) with an `active` mask: inactive slots (free, or finished since the caller
+last looked) keep their state and length exactly, so one step of fixed shape serves any mix of
+running and idle slots, reads no lengths on the host and can be captured once as a graph
+(`StepGraphs`). Positions continue from the prompt (text: one row; mRoPE models get three identical
+rows). The model must be local: no sequence or expert parallelism.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..ops import resolve
+from ..ops import device, resolve
 from ..ops.conv1d.step import conv1d_state_from_prefill
 from .causal_lm import MoeCausalLM
 from .layers import Attention, Experts
 from .qwen3_5_moe.model import GatedDeltaNet
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class AttentionCache:
-    """k, v: [N, HKV, L, K] in the model dtype; positions >= a sequence's length are unused."""
+    """k, v: [S, HKV, L, K] in the model dtype; positions >= a slot's length are unused."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -41,77 +47,84 @@ class AttentionCache:
 
 @dataclass
 class LinearCache:
-    """conv: [N, C, W-1] in the model dtype; recurrent: [N, HV, K, V] fp32 (fp64 for fp64 models)."""
+    """conv: [S, C, W-1] in the model dtype; recurrent: [S, HV, K, V] fp32 (fp64 for fp64 models)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
 
 
 @dataclass
-class DecodeState:
-    """Per-sequence state of N sequences. lengths: [N] int64 tokens consumed (= next position);
-    layers: one cache per decoder layer."""
+class SlotState:
+    """The decode state of S slots. lengths: [S] int64 tokens consumed (= next position) on the
+    model's device; layers: one cache per decoder layer; version: bumped whenever the tensors are
+    reallocated (what a captured graph must check)."""
 
     lengths: torch.Tensor
     layers: list[AttentionCache | LinearCache]
+    version: int = 0
 
     @property
-    def num_seqs(self) -> int:
+    def num_slots(self) -> int:
         return self.lengths.numel()
 
     @property
     def capacity(self) -> int | None:
-        """KV positions each attention cache holds (None without attention layers)."""
+        """KV positions each slot holds (None without attention layers: any length fits)."""
         for cache in self.layers:
             if isinstance(cache, AttentionCache):
                 return cache.k.shape[2]
         return None
 
-    def select(self, index: torch.Tensor | Sequence[int]) -> DecodeState:
-        """The state of the sequences at `index` (in that order), as new tensors."""
-        index = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device)
-        layers = []
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: {"kv": attention caches, "linear": conv + recurrent states}."""
+        kv = sum(c.k.nbytes + c.v.nbytes for c in self.layers if isinstance(c, AttentionCache))
+        linear = sum(c.conv.nbytes + c.recurrent.nbytes for c in self.layers if isinstance(c, LinearCache))
+        return {"kv": kv, "linear": linear}
+
+    def resize(self, num_slots: int, capacity: int) -> None:
+        """Reallocate to `num_slots` slots of `capacity` KV positions (neither may shrink), keeping
+        every slot's state: one copy, done rarely (the caller grows geometrically)."""
+        if num_slots < self.num_slots or (self.capacity is not None and capacity < self.capacity):
+            raise ValueError("slot state can only grow")
+        S = self.num_slots
+
+        def grown(t: torch.Tensor, *tail: int) -> torch.Tensor:
+            new = t.new_zeros(num_slots, *tail)
+            new[(slice(0, S),) + tuple(slice(0, n) for n in t.shape[1:])] = t
+            return new
+
         for cache in self.layers:
             if isinstance(cache, AttentionCache):
-                layers.append(AttentionCache(cache.k[index], cache.v[index]))
+                cache.k = grown(cache.k, cache.k.shape[1], capacity, cache.k.shape[3])
+                cache.v = grown(cache.v, cache.v.shape[1], capacity, cache.v.shape[3])
             else:
-                layers.append(LinearCache(cache.conv[index], cache.recurrent[index]))
-        return DecodeState(self.lengths[index], layers)
+                cache.conv = grown(cache.conv, *cache.conv.shape[1:])
+                cache.recurrent = grown(cache.recurrent, *cache.recurrent.shape[1:])
+        self.lengths = grown(self.lengths)
+        self.version += 1
 
-    def reserve(self, capacity: int) -> None:
-        """Grow every KV cache to hold at least `capacity` positions (no-op when it does)."""
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy slots `src` into slots `dst` (state and length), e.g. to pack running sequences into
+        the lowest slots; the other slots are not touched."""
+        src_t = torch.as_tensor(list(src), dtype=torch.long, device=self.lengths.device)
+        dst_t = torch.as_tensor(list(dst), dtype=torch.long, device=self.lengths.device)
+        tensors = [self.lengths]
         for cache in self.layers:
-            if isinstance(cache, AttentionCache) and cache.k.shape[2] < capacity:
-                pad = capacity - cache.k.shape[2]
-                cache.k = F.pad(cache.k, (0, 0, 0, pad))
-                cache.v = F.pad(cache.v, (0, 0, 0, pad))
-
-    @staticmethod
-    def concat(states: Sequence[DecodeState]) -> DecodeState:
-        """One state holding the sequences of `states` in order (KV caches padded to the largest)."""
-        if len(states) == 1:
-            return states[0]
-        capacity = max((s.capacity or 0) for s in states)
-        for s in states:
-            s.reserve(capacity)
-        layers = []
-        for caches in zip(*(s.layers for s in states)):
-            if isinstance(caches[0], AttentionCache):
-                layers.append(AttentionCache(torch.cat([c.k for c in caches]), torch.cat([c.v for c in caches])))
-            else:
-                layers.append(
-                    LinearCache(torch.cat([c.conv for c in caches]), torch.cat([c.recurrent for c in caches]))
-                )
-        return DecodeState(torch.cat([s.lengths for s in states]), layers)
+            tensors += [cache.k, cache.v] if isinstance(cache, AttentionCache) else [cache.conv, cache.recurrent]
+        for t in tensors:
+            t[dst_t] = t[src_t]
 
 
 class MoeDecoder:
-    """Prefill and one-token steps for a local `MoeCausalLM`.
+    """Prefill into slots and one-token steps over slots for a local `MoeCausalLM`.
 
-    `prefill(prompts, capacity)` -> (logits [N, VOCAB] of each prompt's last token, state);
-    `step(tokens [N], state)` -> logits [N, VOCAB] of those tokens (the state advances in place).
-    Logits are in the model dtype. The step ops resolve once here: `gdn.step` by the usual rule
-    (torch on CPU and for fp64 models), `conv1d.step` has only its torch implementation.
+    `allocate(num_slots, capacity)` -> an empty SlotState;
+    `prefill(prompts, state, slots)` -> logits [N, VOCAB] of each prompt's last token (the prompts'
+    state written into `slots`); `step(tokens [B], state, active [B])` -> logits [B, VOCAB] of those
+    tokens for slots [0, B) (the active slots advance in place). Logits are in the model dtype.
+    The step ops resolve once here: `gdn.step` by the usual rule (torch on CPU and for fp64
+    models), `conv1d.step` has only its torch implementation.
     """
 
     def __init__(self, model: MoeCausalLM, gdn_step_impl: str | None = None):
@@ -123,28 +136,56 @@ class MoeDecoder:
         self.arch = model.arch
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
+        self.device = model.lm_head.weight.device
         linear = "linear_attention" in self.arch.layer_types
         auto = "torch" if dtype == torch.float64 else None
         self.gdn_step = resolve("gdn.step", gdn_step_impl or auto) if linear else None
         self.conv_step = resolve("conv1d.step", "torch") if linear else None
 
+    # ---- the slots -----------------------------------------------------------------------------
+
+    def allocate(self, num_slots: int, capacity: int) -> SlotState:
+        """Zeroed state for `num_slots` slots of `capacity` KV positions each."""
+        if num_slots < 1 or capacity < 1:
+            raise ValueError(f"need at least one slot and one position, got {num_slots} x {capacity}")
+        layers = []
+        for layer in self.model.model.layers:
+            if layer.layer_type == "linear_attention":
+                gdn = layer.linear_attn
+                conv = torch.zeros(num_slots, gdn.conv1d.weight.shape[0], gdn.conv1d.weight.shape[-1] - 1)
+                rec = torch.zeros(num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=self._state_dtype)
+                layers.append(LinearCache(conv.to(self.device, self.dtype), rec.to(self.device)))
+            else:
+                attn = layer.self_attn
+                shape = (num_slots, attn.num_kv_heads, capacity, attn.head_dim)
+                kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+                layers.append(AttentionCache(*kv))
+        return SlotState(torch.zeros(num_slots, dtype=torch.long, device=self.device), layers)
+
     # ---- prefill -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int = 0) -> tuple[torch.Tensor, DecodeState]:
-        """Run the prompts packed in one row (cu_seqlens) and keep their state.
+    def prefill(self, prompts: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]) -> torch.Tensor:
+        """Run the prompts packed in one row (cu_seqlens) and write their state into `slots`.
 
         Args:
-            prompts: N non-empty token-id lists.
-            capacity: KV positions to allocate per sequence (at least the longest prompt).
+            prompts: N non-empty token-id lists, each at most the state's capacity.
+            state: the slots' state; slots: N distinct slot indices the prompts take.
         Returns:
-            logits [N, VOCAB] at each prompt's last token; the DecodeState after the prompts.
+            logits [N, VOCAB] at each prompt's last token.
         Raises:
-            ValueError: no prompts, an empty prompt, or a token id outside the vocabulary.
+            ValueError: no prompts, an empty or too long prompt, a token id outside the vocabulary,
+                or slots that are not N distinct indices of the state.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt, each with at least one token")
-        device = self.model.lm_head.weight.device
+        S = state.num_slots
+        if len(slots) != len(prompts) or len(set(slots)) != len(slots) or not all(0 <= s < S for s in slots):
+            raise ValueError(f"slots must be {len(prompts)} distinct indices below {S}, got {list(slots)}")
+        longest, capacity = max(len(p) for p in prompts), state.capacity
+        if capacity is not None and longest > capacity:
+            raise ValueError(f"prompt of {longest} tokens exceeds the slots' capacity of {capacity} positions")
+        device = self.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         if ids.min() < 0 or ids.max() >= self.arch.vocab_size:
@@ -152,49 +193,43 @@ class MoeDecoder:
         cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        token_slot = slot_index.repeat_interleave(lengths.to(device))  # [T] the slot of each token
+        token_pos = positions.to(device)
         ids, positions, cu = ids[None].to(device), positions[None].to(device), cu.to(device)
-        capacity = max(capacity, int(lengths.max()))
 
         text = self.model.model
         hidden = text.embed_tokens(ids)
         cos, sin = text.rotary(positions, hidden.dtype)
-        caches = []
+        caches = iter(state.layers)
 
         def mixer(layer, x):
+            cache = next(caches)
             if layer.layer_type == "linear_attention":
-                x, cache = self._gdn_prefill(layer.linear_attn, x, cu)
-            else:
-                x, cache = self._attention_prefill(layer.self_attn, x, cos, sin, cu, capacity)
-            caches.append(cache)
-            return x
+                return self._gdn_prefill(layer.linear_attn, x, cu, cache, slot_index)
+            return self._attention_prefill(layer.self_attn, x, cos, sin, cu, cache, token_slot, token_pos)
 
         hidden, residual = self._layers(hidden, mixer)
+        state.lengths[slot_index] = lengths.to(device)
         last = cu[1:].long() - 1  # each prompt's last token
-        logits = self._logits(hidden[0, last], residual[0, last])
-        return logits, DecodeState(lengths.to(device), caches)
+        return self._logits(hidden[0, last], residual[0, last])
 
-    def _attention_prefill(self, attn: Attention, x, cos, sin, cu, capacity):
+    def _attention_prefill(self, attn: Attention, x, cos, sin, cu, cache: AttentionCache, token_slot, token_pos):
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)
         o = attn.ops.attention(q, k, v, scale=attn.head_dim**-0.5, cu_seqlens=cu)
-        N = cu.numel() - 1
-        kc = k.new_zeros(N, attn.num_kv_heads, capacity, attn.head_dim)
-        vc = v.new_zeros(N, attn.num_kv_heads, capacity, v.shape[-1])
-        bounds = cu.tolist()
-        for n in range(N):
-            s, e = bounds[n], bounds[n + 1]
-            kc[n, :, : e - s] = k[0, s:e].transpose(0, 1)
-            vc[n, :, : e - s] = v[0, s:e].transpose(0, 1)
-        return self._attention_out(attn, o, gate), AttentionCache(kc, vc)
+        cache.k[token_slot, :, token_pos] = k[0]
+        cache.v[token_slot, :, token_pos] = v[0]
+        return self._attention_out(attn, o, gate)
 
-    def _gdn_prefill(self, gdn: GatedDeltaNet, x, cu):
+    def _gdn_prefill(self, gdn: GatedDeltaNet, x, cu, cache: LinearCache, slot_index):
         B, T, _ = x.shape
         mixed_qkv = gdn.in_proj_qkv(x)
         conv_weight = gdn.conv1d.weight.squeeze(1)
-        conv_state = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu)
+        cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu)
         qkv = gdn.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu)
         q, k, v = self._split_qkv(gdn, qkv)
         g, beta = self._gates(gdn, gdn.in_proj_a(x), gdn.in_proj_b(x))
-        o, state = gdn.ops.gdn(
+        o, final = gdn.ops.gdn(
             q,
             k,
             v,
@@ -206,70 +241,86 @@ class MoeDecoder:
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
         )
+        cache.recurrent[slot_index] = final.to(self._state_dtype)
         z = gdn.in_proj_z(x).reshape(B, T, gdn.num_v_heads, gdn.head_v_dim)
         o = gdn.norm(o, gate=z)
-        return gdn.out_proj(o.reshape(B, T, gdn.value_dim)), LinearCache(conv_state, state.to(self._state_dtype))
+        return gdn.out_proj(o.reshape(B, T, gdn.value_dim))
 
     # ---- one token ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Feed one token per sequence; returns logits [N, VOCAB] and advances `state` in place.
+    def step(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token to each of slots [0, B); returns logits [B, VOCAB]. Active slots advance in
+        place (KV written at their length, states stepped, length + 1); inactive ones are left
+        exactly as they were (their logits are undefined). No value is read back to the host.
 
         Args:
-            tokens: [N] int token ids, row n continuing sequence n of `state`.
+            tokens: [B] int token ids on the model's device, B <= the state's slots.
+            active: [B] bool, default all.
         Raises:
-            ValueError: tokens not [N] for the state's N.
+            ValueError: tokens not [B] with B <= slots, or active not [B] bool.
         """
-        N = state.num_seqs
-        if tokens.dim() != 1 or tokens.numel() != N:
-            raise ValueError(f"tokens must be [N] with N={N}, got {tuple(tokens.shape)}")
+        B = tokens.numel()
+        if tokens.dim() != 1 or not 0 < B <= state.num_slots:
+            raise ValueError(f"tokens must be [B] with 0 < B <= {state.num_slots} slots, got {tuple(tokens.shape)}")
+        if active is None:
+            active = torch.ones(B, dtype=torch.bool, device=self.device)
+        elif active.dtype != torch.bool or tuple(active.shape) != (B,):
+            raise ValueError(f"active must be a [{B}] bool tensor, got {tuple(active.shape)} {active.dtype}")
         text = self.model.model
-        positions = state.lengths[:, None]  # [N, 1]
-        need, capacity = int(state.lengths.max()) + 1, state.capacity
-        if capacity is not None and capacity < need:
-            state.reserve(max(need, 2 * capacity))  # grow geometrically: a pad copies every cache
-        hidden = text.embed_tokens(tokens.to(positions.device)[:, None])  # [N, 1, D]
-        cos, sin = text.rotary(positions, hidden.dtype)
+        lengths = state.lengths[:B]
+        hidden = text.embed_tokens(tokens[:, None])  # [B, 1, D]
+        cos, sin = text.rotary(lengths[:, None], hidden.dtype)
         caches = iter(state.layers)
 
         def mixer(layer, x):
             if layer.layer_type == "linear_attention":
-                return self._gdn_step(layer.linear_attn, x, next(caches))
-            return self._attention_step(layer.self_attn, x, cos, sin, next(caches), state.lengths)
+                return self._gdn_step(layer.linear_attn, x, next(caches), active)
+            return self._attention_step(layer.self_attn, x, cos, sin, next(caches), lengths, active)
 
         hidden, residual = self._layers(hidden, mixer)
-        state.lengths = state.lengths + 1
+        lengths += active
         return self._logits(hidden[:, 0], residual[:, 0])
 
-    def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, lengths):
-        q, k, v, gate = self._attention_qkv(attn, x, cos, sin)  # [N, 1, H | HKV, K]
-        N = x.shape[0]
-        rows = torch.arange(N, device=lengths.device)
-        cache.k[rows, :, lengths] = k[:, 0]
-        cache.v[rows, :, lengths] = v[:, 0]
-        L = int(lengths.max()) + 1
+    def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, lengths, active):
+        q, k, v, gate = self._attention_qkv(attn, x, cos, sin)  # [B, 1, H | HKV, K]
+        B, L = x.shape[0], cache.k.shape[2]
+        rows = torch.arange(B, device=lengths.device)
+        at = lengths.clamp(max=L - 1)  # an idle slot may sit at capacity; it writes back what is there
+        keep = active[:, None, None]
+        cache.k[rows, :, at] = torch.where(keep, k[:, 0], cache.k[rows, :, at])
+        cache.v[rows, :, at] = torch.where(keep, v[:, 0], cache.v[rows, :, at])
         HKV, group = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
         # query head h reads kv head h // group: the group's heads act as SDPA query rows
-        qg = q[:, 0].reshape(N, HKV, group, attn.head_dim)
-        visible = torch.arange(L, device=lengths.device)[None, :] <= lengths[:, None]  # [N, L]
+        qg = q[:, 0].reshape(B, HKV, group, attn.head_dim)
+        visible = torch.arange(L, device=lengths.device)[None, :] <= lengths[:, None]  # [B, L]
         o = F.scaled_dot_product_attention(
-            qg, cache.k[:, :, :L], cache.v[:, :, :L], attn_mask=visible[:, None, None, :], scale=attn.head_dim**-0.5
-        )  # [N, HKV, group, V]
-        return self._attention_out(attn, o.reshape(N, 1, attn.num_heads, -1), gate)
+            qg, cache.k[:B], cache.v[:B], attn_mask=visible[:, None, None, :], scale=attn.head_dim**-0.5
+        )  # [B, HKV, group, V]
+        return self._attention_out(attn, o.reshape(B, 1, attn.num_heads, -1), gate)
 
-    def _gdn_step(self, gdn: GatedDeltaNet, x, cache: LinearCache):
-        N = x.shape[0]
-        x = x[:, 0]  # [N, D]
+    def _gdn_step(self, gdn: GatedDeltaNet, x, cache: LinearCache, active):
+        B = x.shape[0]
+        x = x[:, 0]  # [B, D]
         conv_weight = gdn.conv1d.weight.squeeze(1)
-        qkv, cache.conv = self.conv_step(gdn.in_proj_qkv(x), cache.conv, conv_weight, None, activation="silu")
+        conv = cache.conv[:B]
+        qkv, new_conv = self.conv_step(gdn.in_proj_qkv(x), conv, conv_weight, None, activation="silu")
+        conv.copy_(torch.where(active[:, None, None], new_conv, conv))
         q, k, v = self._split_qkv(gdn, qkv[:, None])
         g, beta = self._gates(gdn, gdn.in_proj_a(x), gdn.in_proj_b(x))
-        o, cache.recurrent = self.gdn_step(
-            q[:, 0], k[:, 0], v[:, 0], g, beta, cache.recurrent, use_qk_l2norm_in_kernel=True
+        o, _ = self.gdn_step(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            g,
+            beta,
+            cache.recurrent[:B],
+            use_qk_l2norm_in_kernel=True,
+            active=active,
+            inplace=True,
         )
-        o = gdn.norm(o, gate=gdn.in_proj_z(x).reshape(N, gdn.num_v_heads, gdn.head_v_dim))
-        return gdn.out_proj(o.reshape(N, 1, gdn.value_dim))
+        o = gdn.norm(o, gate=gdn.in_proj_z(x).reshape(B, gdn.num_v_heads, gdn.head_v_dim))
+        return gdn.out_proj(o.reshape(B, 1, gdn.value_dim))
 
     # ---- the layer walk, shared by prefill and step -------------------------------------------
 
@@ -340,4 +391,55 @@ class MoeDecoder:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
 
-__all__ = ["AttentionCache", "DecodeState", "LinearCache", "MoeDecoder"]
+class StepGraphs:
+    """`MoeDecoder.step` captured once per (batch size, state version) as a device graph (CUDA
+    graphs, or torch_npu's NPUGraph), replayed on the same input buffers: a decode step then costs
+    one launch of host time instead of a few hundred.
+
+    The caller keeps `tokens` and `active` in persistent buffers (their slices [0, B) are what a
+    graph reads) and consumes the returned logits before the next call (the graphs share one memory
+    pool, so their outputs may alias). Capturing runs the step twice eagerly first (kernel
+    selection and autotuning happen there, not in the graph) with every slot inactive, so capturing
+    at any time leaves the slots as they were.
+    """
+
+    def __init__(self, decoder: MoeDecoder):
+        module = device.device_module()
+        graph_class = getattr(module, "CUDAGraph", None) or getattr(module, "NPUGraph", None)
+        if graph_class is None or not device.is_accelerator(decoder.device):
+            raise ValueError(f"device graphs need a cuda or npu model, got {decoder.device}")
+        self.decoder, self.module, self.graph_class = decoder, module, graph_class
+        self.graphs: dict[int, tuple] = {}  # B -> (graph, logits)
+        self.version: int | None = None
+        self.pool = None
+
+    def step(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor) -> torch.Tensor:
+        """As `MoeDecoder.step(tokens, state, active)`, through the graph captured for len(tokens)."""
+        if state.version != self.version:  # reallocated tensors: the old graphs read freed memory
+            self.graphs, self.version = {}, state.version
+        B = tokens.numel()
+        if B not in self.graphs:
+            self.graphs[B] = self._capture(tokens, state, active)
+        graph, logits = self.graphs[B]
+        graph.replay()
+        return logits
+
+    def _capture(self, tokens, state, active):
+        saved = active.clone()
+        active.zero_()
+        stream = self.module.Stream()
+        stream.wait_stream(self.module.current_stream())
+        with self.module.stream(stream):
+            for _ in range(2):
+                self.decoder.step(tokens, state, active)
+        self.module.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = self.module.graph_pool_handle()
+        graph = self.graph_class()
+        with self.module.graph(graph, pool=self.pool):
+            logits = self.decoder.step(tokens, state, active)
+        active.copy_(saved)
+        return graph, logits
+
+
+__all__ = ["AttentionCache", "LinearCache", "MoeDecoder", "SlotState", "StepGraphs"]

@@ -55,6 +55,13 @@ def device_module():
     return getattr(torch, device_type())
 
 
+def capturing() -> bool:
+    """True while this process's current device stream is being captured into a graph (value checks
+    that read a tensor back to the host must not run then)."""
+    probe = getattr(device_module(), "is_current_stream_capturing", None)
+    return bool(probe()) if probe is not None and is_accelerator() else False
+
+
 def dist_backend() -> str:
     """Collective backend for this device type: nccl, hccl or gloo."""
     return {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[device_type()]

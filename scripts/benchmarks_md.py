@@ -9,11 +9,12 @@ metrics in the JSONL file the record names). Every report carries argv, versions
 it ran (`git_sha`, `source_sha`; `code_commit` where the recorded git sha was of a stale copy of the tree).
 A report this script does not recognise is an error, so results/ holds nothing that BENCHMARKS.md omits.
 
-Tables: one per op (`tool: bench`, every op but `model`), the model step (`op: model`, cases without
-`-ckpt`), memory (`op: model`, the `-ckpt` cases), the rollout (`tool: main_ppo`) and alignment
-(`tool: align`). Each table is followed by the command(s) that reproduce it and where they ran. Current
-numbers only: a new measurement replaces the report it supersedes (same file name); history is git's.
-Supporting logs that docs/ cite (profiles, memory-peak replays) sit in results/logs/ and are not read here.
+Tables: one per op (`tool: bench`, every op but `model` and `rollout`), the model step (`op: model`, cases
+without `-ckpt`), memory (`op: model`, the `-ckpt` cases), decoding (`op: rollout`), the rollout (`tool:
+main_ppo`) and alignment (`tool: align`). Each table is followed by the command(s) that reproduce it and
+where they ran. Current numbers only: a new measurement replaces the report it supersedes (same file
+name); history is git's. Supporting logs that docs/ cite (profiles, memory-peak replays) sit in
+results/logs/ and are not read here.
 """
 
 from __future__ import annotations
@@ -264,6 +265,34 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
     return "\n\n".join(parts) + f"\n\n{footer(reports)}"
 
 
+def decode_section(reports: list[tuple[str, dict]]) -> str:
+    header = ["provider", "batch", "step ms", "first pass ms", "cold ms", "prefill ms", "tokens/s", "vs transformers"]
+    header += ["floor ms", "peak GiB"]
+    rows = []
+    for _, rep in reports:
+        anchor = next((r for r in rep["records"] if r["provider"] == "transformers" and "error" not in r), None)
+        for r in rep["records"]:
+            if "error" in r:
+                rows.append([r["provider"], str(r["batch"]), f"failed: {r['error']}"] + [""] * (len(header) - 3))
+                continue
+            ratio = r["tokens_per_s"] / anchor["tokens_per_s"] if anchor else float("nan")
+            rows.append(
+                [
+                    r["provider"],
+                    str(r["batch"]),
+                    num(r["decode_step_ms"], 3),
+                    num(r["first_pass_step_ms"], 3),
+                    num(r["cold_step_ms"], 3),
+                    num(r["prefill_ms"], 3),
+                    num(r["tokens_per_s"], 3),
+                    f"{num(ratio, 3)}x",
+                    num(r["floor_step_ms"], 3),
+                    num(r["peak_GiB"], 3),
+                ]
+            )
+    return table(header, rows, right=set(range(1, len(header)))) + "\n\n" + footer(reports)
+
+
 def align_section(name: str, rep: dict) -> str:
     golden = rep["golden"]
     backends = {b["label"]: b for b in rep["backends"]}
@@ -341,7 +370,8 @@ def load() -> dict[str, dict]:
 
 def render(reports: dict[str, dict]) -> str:
     bench = [(n, r) for n, r in reports.items() if r["tool"] == "bench"]
-    ops = [(n, r) for n, r in bench if r["op"] != "model"]
+    ops = [(n, r) for n, r in bench if r["op"] not in ("model", "rollout")]
+    decode = [(n, r) for n, r in bench if r["op"] == "rollout"]
     model = [(n, r) for n, r in bench if r["op"] == "model"]
     step = [(n, r) for n, r in model if not any(row["case"].endswith("-ckpt") for row in r["rows"])]
     memory = [(n, r) for n, r in model if (n, r) not in step]
@@ -379,6 +409,16 @@ def render(reports: dict[str, dict]) -> str:
             "steps (zeroed in place), so the activation peak is the step's peak above the weights and their "
             "gradients. Each row is its own process (one report each).",
             memory_section(memory),
+        ]
+    if decode:
+        sections += [
+            "## Rollout: decoding with our engine",
+            "`verl-moe bench rollout` (engines/rollout/bench.py): the reduced Qwen3.5-MoE with 4 layers "
+            "(3 GatedDeltaNet + 1 attention, vocabulary 248,320), random weights, bf16; 256 prompts of 128 tokens, "
+            "256 new tokens each, temperature 1, log-probs on (transformers: none). Cold = a fresh engine's first "
+            "batch; first pass = a batch of new lengths after a warm-up batch of others; step = the same lengths "
+            "again; floor = bytes a step must move over the measured copy bandwidth. Tokens/s include the prefill.",
+            decode_section(decode),
         ]
     if rollout:
         sections += [

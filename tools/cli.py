@@ -10,8 +10,10 @@ starts any work, and `_Group.main` below turns those and click's usage errors in
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import typer
 from typer.core import TyperGroup
@@ -79,7 +81,9 @@ def _options(
 
 @app.command()
 def bench(
-    op: str = typer.Argument(..., help="op folder under verl_moe.ops (gdn, logprob, ...) or model (a training step)"),
+    op: str = typer.Argument(
+        ..., help="op folder under verl_moe.ops (gdn, logprob, ...), model (a training step) or rollout (decoding)"
+    ),
     case: list[str] = typer.Option([], help="case id(s) to run (default: all)"),
     provider: list[str] = typer.Option([], help="provider(s) to run (default: all)"),
     mode: list[str] = typer.Option([], help="fwd and/or fwd_bwd (default: both)"),
@@ -92,8 +96,28 @@ def bench(
         None, help="model only, -ckpt cases: 'layer' or 'tiles' (default: tiles with --offload, as the engines)"
     ),
     tile_tokens: int = typer.Option(None, help="model only: the checkpoint tile in tokens (default 16384)"),
+    batch: int = typer.Option(256, help="rollout only: sequences decoded at once"),
+    prompt_len: int = typer.Option(128, help="rollout only: tokens per prompt"),
+    new_tokens: int = typer.Option(256, help="rollout only: tokens generated per sequence"),
+    layers: int = typer.Option(4, help="rollout only: decoder layers of the reduced Qwen3.5-MoE"),
 ):
-    """Time every provider of one op in one process, after a correctness check."""
+    """Time every provider of one op in one process, after a correctness check (`rollout`: our
+    rollout engine's decode against transformers' generate, docs/rollout.md)."""
+    if op == "rollout":
+        from ..engines.rollout import bench as rollout_bench
+        from .provenance import environment
+
+        def on_record(records: list[dict]) -> None:
+            print(json.dumps(records[-1]), flush=True)
+            if json_path:  # rewritten after each provider: a run cut short keeps what it measured
+                report = {"tool": "bench", "op": "rollout", "argv": sys.argv, **environment(), "records": records}
+                Path(json_path).write_text(json.dumps(report, indent=1))
+
+        providers = tuple(provider) or rollout_bench.PROVIDERS
+        records = rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, on_record)
+        if any("error" in r for r in records):
+            raise typer.Exit(1)
+        return
     from .bench import BenchConfig, print_report, print_row, run
 
     report = run(

@@ -132,13 +132,18 @@ class MoeRolloutAdapter(BaseRollout):
         self.global_steps = global_steps
         # the training step, when verl says it, so a resumed run samples what an uninterrupted one did
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
-        self._engine = GenerationEngine(
-            self._model,
-            self.eos_token_ids,
-            seed=self.config.seed,
-            weights_version=self.weights_version,
-            max_positions=self.max_positions,
-        )
+        if self._engine is None:
+            self._engine = GenerationEngine(
+                self._model,
+                self.eos_token_ids,
+                seed=self.config.seed,
+                max_positions=self.max_positions,
+                max_num_seqs=self.config.max_num_seqs,
+                sync_every=self.options.sync_every,
+                device_graphs=False if self.config.enforce_eager else self.options.device_graphs,
+            )
+        # the weights were copied into the model in place: the engine's slots and graphs stay valid
+        self._engine.set_weights_version(self.weights_version)
         logger.info("verl_moe rollout replica %d: %d tensors loaded (step %s)", self.replica_rank, count, global_steps)
 
     def generate_sequences(self, prompts):

@@ -29,15 +29,23 @@ class RolloutOptions:
         running batch between calls (continuous batching at this granularity).
     batch_wait_ms: how long the server lets requests gather before it starts an idle engine.
     ops: the rollout model's op choices (`verl_moe.models.OpsConfig` fields), None for auto.
+    sync_every: decode steps between two reads of the decode slots by the host (finished requests
+        leave, and their slots free, at these reads).
+    device_graphs: run each decode step as one captured device graph (cuda / npu); None: there,
+        unless the rollout config's `enforce_eager`.
     """
 
     steps_per_call: int = 16
     batch_wait_ms: float = 10.0
     ops: Mapping | None = None
+    sync_every: int = 8
+    device_graphs: bool | None = None
 
     def __post_init__(self):
         if self.steps_per_call < 1:
             raise ValueError(f"engine_kwargs.verl_moe.steps_per_call must be >= 1, got {self.steps_per_call}")
+        if self.sync_every < 1:
+            raise ValueError(f"engine_kwargs.verl_moe.sync_every must be >= 1, got {self.sync_every}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"engine_kwargs.verl_moe.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

@@ -1,32 +1,52 @@
-"""Batched generation with continuous batching over `verl_moe.models.decode.MoeDecoder`.
+"""Batched generation with continuous batching over fixed decode slots
+(`verl_moe.models.decode.MoeDecoder`).
 
-New requests are prefilled together (one packed forward), sample their first token, and join
-the running batch; `step(k)` advances every running sequence by up to k tokens. A sequence
-leaves the batch (its state rows dropped) when it samples an end-of-sequence / stop token or
-reaches its `max_tokens`. One engine per rollout replica and weights version, living in the process
-that holds the weights (the trainer worker in verl's hybrid mode).
+The engine holds up to `max_num_seqs` slots: the decode state (KV caches, conv and recurrent states)
+and each slot's sampling settings, next token, token count and outputs live in tensors on the
+model's device, allocated for as many slots and positions as the requests so far needed (grown
+geometrically, rarely). New requests are prefilled together (one packed forward) into free slots
+and sample their first token; `step(k)` advances the running slots by up to k tokens. A step runs
+the slots [0, B) (B a power of two covering the highest running slot) with an `active` mask and
+samples, records and detects the end of every sequence on the device; the host reads the slots back
+once per `sync_every` steps (one copy), then frees the finished slots and moves the highest running
+ones down into free lower slots, so B follows the number running. On cuda / npu the model step runs
+as one device graph per B (`StepGraphs`); elsewhere, or with `device_graphs=False`, the same step
+runs eagerly.
 
 Sampling streams: every sampled request draws its t-th token at `stream_uniform(stream, t)` of a
 stream of its own: its `seed` when it has one, else `stream_seed(seed, weights_version, prompt, key)`
 with key = its `sample_key` and how many requests of the same prompt and sample_key this engine
-admitted before it. So its tokens
-depend on the weights, the seed, the weights version and the request, not on which requests share its
-batch or arrive before it. Identical requests (GRPO's n copies of a prompt) get distinct streams by
-their arrival rank: their outputs as a set are fixed, which copy gets which one follows arrival
-unless the caller tells them apart with a sample_key.
+admitted before it. So its tokens depend on the weights, the seed, the weights version and the
+request, not on which requests share its batch or arrive before it. Identical requests (GRPO's n
+copies of a prompt) get distinct streams by their arrival rank: their outputs as a set are fixed,
+which copy gets which one follows arrival unless the caller tells them apart with a sample_key.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ...models import MoeCausalLM
-from ...models.decode import DecodeState, MoeDecoder
-from .sampling import SamplingParams, sample, stream_seed, stream_uniform
+from ...models.decode import MoeDecoder, SlotState, StepGraphs
+from ...ops import device as devices
+from ...ops import resolve
+from .sampling import (
+    SETTING_DTYPES,
+    SamplingParams,
+    SamplingRows,
+    sample_rows,
+    settings_of,
+    stream_seed,
+    stream_uniforms,
+    uses_of,
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,8 +90,23 @@ class Completion:
 class _Running:
     request: Request
     stream: int | None  # None: greedy
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
+
+
+# Per-slot tensors beside the sampling settings: name -> (dtype, value of an empty slot).
+_SLOT_TENSORS = {
+    "tokens": (torch.long, 0),  # the token the slot feeds next
+    "active": (torch.bool, False),  # running and not finished
+    "count": (torch.long, 0),  # tokens generated (the stream index of the next one)
+    "stream": (torch.long, 0),
+    "min_tokens": (torch.long, 0),
+    "max_tokens": (torch.long, 1),
+}
+_EMPTY_SETTINGS = settings_of([SamplingParams(max_tokens=1, temperature=0.0)])
+
+
+def _bucket(n: int, limit: int) -> int:
+    """The batch size a step over n slots runs at: the next power of two, at most `limit`."""
+    return min(limit, 1 << max(0, n - 1).bit_length())
 
 
 class GenerationEngine:
@@ -83,6 +118,10 @@ class GenerationEngine:
         seed, weights_version: keys of the sampling streams of requests without their own `seed`
             (the rollout seed; the training step whose weights the model holds).
         max_positions: the longest prompt accepted (the model's max_position_embeddings), None: any.
+        max_num_seqs: slots at most (requests running at once).
+        sync_every: decode steps between two reads of the slots by the host (a finished slot is
+            freed at the next read: at most sync_every - 1 idle steps for it).
+        device_graphs: run the decode step as device graphs; None: where the model is on cuda / npu.
     """
 
     def __init__(
@@ -92,79 +131,278 @@ class GenerationEngine:
         seed: int = 0,
         weights_version: int = 0,
         max_positions: int | None = None,
+        max_num_seqs: int = 256,
+        sync_every: int = 8,
+        device_graphs: bool | None = None,
     ):
+        if max_num_seqs < 1 or sync_every < 1:
+            raise ValueError(f"max_num_seqs and sync_every must be >= 1, got {max_num_seqs} and {sync_every}")
         self.decoder = MoeDecoder(model)
         self.vocab_size = model.arch.vocab_size
         self.max_positions = max_positions
-        self.device = model.lm_head.weight.device
+        self.max_num_seqs, self.sync_every = max_num_seqs, sync_every
+        self.device = self.decoder.device
+        if device_graphs is None:
+            device_graphs = devices.is_accelerator(self.device)
+        self.graphs = StepGraphs(self.decoder) if device_graphs else None
+        self.draw = resolve("sampling")  # the op that samples rows without filters
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version
         self._copies: Counter[tuple] = Counter()  # (prompt, sample_key) -> requests admitted so far
-        self._running: list[_Running] = []
-        self._state: DecodeState | None = None
-        self._last: torch.Tensor | None = None  # [N] the token each running sequence feeds next
+        self._slots: list[_Running | None] = []  # what each slot runs (host side)
+        self._state: SlotState | None = None
+        self._t: dict[str, torch.Tensor] = {}  # per-slot tensors: _SLOT_TENSORS, settings, stops, outputs
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return sum(r is not None for r in self._slots)
 
     def generate(self, requests: Sequence[Request], steps_per_call: int = 64) -> list[Completion]:
         """Run `requests` to completion; completions in the order of `requests`."""
         done = {c.request_id: c for c in self.add(requests)}
-        while self._running:
+        while self.num_running:
             done.update((c.request_id, c) for c in self.step(steps_per_call))
         return [done[r.request_id] for r in requests]
 
     def add(self, requests: Sequence[Request]) -> list[Completion]:
-        """Prefill `requests`, sample their first tokens and let the unfinished ones join the batch.
-        Returns the requests that finished on their first token.
+        """Prefill `requests` into free slots, sample their first tokens and let the unfinished ones
+        run. Returns the requests that finished on their first token.
 
         Raises:
-            ValueError: a prompt `check_prompt` refuses, a request id already running or given twice.
-                Nothing is admitted then: the running requests go on as before.
+            ValueError: a prompt `check_prompt` refuses, a request id already running or given twice,
+                or more requests than free slots (max_num_seqs). Nothing is admitted then: the running
+                requests go on as before.
         """
         if not requests:
             return []
         self._check(requests)
-        capacity = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
-        logits, state = self.decoder.prefill([list(r.prompt_ids) for r in requests], capacity=capacity)
+        slots = self._take_slots(requests)
         new = [_Running(r, self._stream(r)) for r in requests]
-        finished, keep, tokens = self._sample(new, logits)
-        new = [new[i] for i in keep]
-        if new:
-            state = state.select(keep) if len(keep) < len(requests) else state
-            self._running += new
-            self._state = state if self._state is None else DecodeState.concat([self._state, state])
-            last = tokens[keep]
-            self._last = last if self._last is None else torch.cat([self._last, last])
-        return finished
+        self._write_settings(slots, new)
+        logits = self.decoder.prefill([list(r.prompt_ids) for r in requests], self._state, slots)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for i, r in zip(slots, new):
+            self._slots[i] = r
+        self._t["active"][index] = True
+        self._sample(logits, index, self._t["active"][index], self._uses())
+        return self._collect(only=slots)
 
     def step(self, steps: int = 1) -> list[Completion]:
         """Advance every running sequence by up to `steps` tokens; returns those that finished."""
         finished: list[Completion] = []
-        for _ in range(steps):
-            if not self._running:
-                break
-            logits = self.decoder.step(self._last, self._state)
-            done, keep, tokens = self._sample(self._running, logits)
-            finished += done
-            if len(keep) < len(self._running):
-                self._running = [self._running[i] for i in keep]
-                self._state = self._state.select(keep) if keep else None
-                tokens = tokens[keep]
-            self._last = tokens if self._running else None
+        while steps > 0 and self.num_running:
+            chunk = min(steps, self.sync_every)
+            B = _bucket(1 + max(i for i, r in enumerate(self._slots) if r is not None), len(self._slots))
+            t, uses = self._t, self._uses()
+            for _ in range(chunk):
+                tokens, active = t["tokens"][:B], t["active"][:B]
+                if self.graphs is not None:
+                    logits = self.graphs.step(tokens, self._state, active)
+                else:
+                    logits = self.decoder.step(tokens, self._state, active)
+                self._sample(logits, slice(0, B), active, uses)
+            finished += self._collect()
+            self._pack()
+            steps -= chunk
         return finished
+
+    def set_weights_version(self, weights_version: int) -> None:
+        """Key the streams of requests admitted from now on by `weights_version` (the model's weights
+        were just replaced in place), as a new engine would: arrival ranks count from zero again.
+
+        Raises:
+            ValueError: requests are running (their streams are keyed by the old weights).
+        """
+        if self.num_running:
+            raise ValueError("weights version changed while requests run; abort or drain them first")
+        self.weights_version = weights_version
+        self._copies.clear()
 
     def abort_all(self) -> list[Completion]:
         """Stop every running sequence; each returns what it generated so far (finish_reason "abort")."""
-        aborted = [self._completion(r, "abort") for r in self._running]
-        self._running, self._state, self._last = [], None, None
+        aborted = self._collect(abort=True)
+        if self._t:
+            self._t["active"].zero_()
         return aborted
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def _take_slots(self, requests: Sequence[Request]) -> list[int]:
+        """The lowest free slots for `requests`, the slots grown (more of them, more positions, longer
+        output buffers) when they do not fit."""
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        running = len(self._slots) - len(free)
+        if running + len(requests) > self.max_num_seqs:
+            raise ValueError(
+                f"{len(requests)} requests do not fit: {running} of max_num_seqs={self.max_num_seqs} slots are running"
+            )
+        need_slots = running + len(requests) if len(free) < len(requests) else len(self._slots)
+        need_len = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        need_out = max(r.params.max_tokens for r in requests)
+        need_stops = max(len(self._stops(r.params)) for r in requests)
+        self._grow(need_slots, need_len, need_out, need_stops)
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        return free[: len(requests)]
+
+    def _grow(self, slots: int, length: int, out: int, stops: int) -> None:
+        """Make room for `slots` slots of `length` positions, `out` outputs and `stops` stop ids each
+        (powers of two, so growth is rare); copies what is there."""
+        S = len(self._slots)
+        cap = self._state.capacity if self._state is not None else None
+        T = self._t["out_tokens"].shape[1] if self._t else 0
+        M = self._t["stops"].shape[1] if self._t else 0
+        if slots <= S and (cap is None or length <= cap) and out <= T and stops <= M and self._state is not None:
+            return
+        S2 = max(S, _bucket(slots, self.max_num_seqs))
+        L2 = max(cap or 0, _bucket(length, 1 << 62))
+        T2, M2 = max(T, _bucket(out, 1 << 62)), max(M, _bucket(stops, 1 << 62))
+        if self._state is None:
+            self._state = self.decoder.allocate(S2, L2)
+        else:
+            self._state.resize(S2, L2)
+        columns = {"out_tokens": (torch.long, 0, T2), "out_logprobs": (torch.float32, 0.0, T2)}
+        columns["stops"] = (torch.long, -1, M2)
+        empty = dict(_SLOT_TENSORS)
+        empty.update({k: (SETTING_DTYPES[k], v[0]) for k, v in _EMPTY_SETTINGS.items()})
+        new = {k: torch.full((S2,), f, dtype=d, device=self.device) for k, (d, f) in empty.items()}
+        new.update({k: torch.full((S2, n), f, dtype=d, device=self.device) for k, (d, f, n) in columns.items()})
+        if "seen" in self._t:
+            new["seen"] = torch.zeros(S2, self.vocab_size, dtype=torch.bool, device=self.device)
+        for k, t in self._t.items():
+            new[k][tuple(slice(0, n) for n in t.shape)] = t
+        self._t = new
+        self._slots += [None] * (S2 - S)
+        nbytes = self._state.nbytes
+        logger.info(
+            "verl_moe rollout: %d decode slots x %d positions: KV caches %.3f GiB, linear-attention states %.3f GiB",
+            S2,
+            L2,
+            nbytes["kv"] / 2**30,
+            nbytes["linear"] / 2**30,
+        )
+
+    def _write_settings(self, slots: list[int], new: list[_Running]) -> None:
+        """Each new request's settings, stop ids and a fresh count into its slot (and its prompt into
+        the repetition-penalty mask when any request needs one)."""
+        t, index = self._t, torch.tensor(slots, dtype=torch.long, device=self.device)
+        params = [r.request.params for r in new]
+        values = {**settings_of(params), "count": [0] * len(new)}
+        values["stream"] = [r.stream or 0 for r in new]
+        values["min_tokens"] = [p.min_tokens for p in params]
+        values["max_tokens"] = [p.max_tokens for p in params]
+        for k, v in values.items():
+            t[k][index] = torch.tensor(v, dtype=t[k].dtype, device=self.device)
+        stops = torch.full((len(new), t["stops"].shape[1]), -1, dtype=torch.long)
+        for n, p in enumerate(params):
+            ids = self._stops(p)
+            stops[n, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        t["stops"][index] = stops.to(self.device)
+        if any(p.repetition_penalty != 1.0 for p in params) and "seen" not in t:
+            t["seen"] = torch.zeros(len(self._slots), self.vocab_size, dtype=torch.bool, device=self.device)
+        if "seen" in t:
+            seen = torch.zeros(len(new), self.vocab_size, dtype=torch.bool)
+            for n, r in enumerate(new):
+                seen[n, list(r.request.prompt_ids)] = True
+            t["seen"][index] = seen.to(self.device)
+
+    def _stops(self, p: SamplingParams) -> tuple[int, ...]:
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(sorted(self.eos_token_ids)))
+
+    def _pack(self) -> None:
+        """Move the running slots above bucket(number running) into free slots below it, so the next
+        steps run at the smallest batch size (each moved slot's state is copied once)."""
+        running = [i for i, r in enumerate(self._slots) if r is not None]
+        B = _bucket(max(1, len(running)), len(self._slots))
+        high = [i for i in running if i >= B]
+        if not high:
+            return
+        low = [i for i, r in enumerate(self._slots[:B]) if r is None][: len(high)]
+        self._state.move(high, low)
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (high, low))
+        for t in self._t.values():
+            t[dst] = t[src]
+        self._t["active"][src] = False
+        for i, j in zip(high, low):
+            self._slots[j], self._slots[i] = self._slots[i], None
+
+    # ---- sampling and read-back ------------------------------------------------------------------
+
+    def _uses(self) -> dict[str, bool]:
+        """Which sampling steps and checks the running requests need (`uses_of`, plus min_tokens)."""
+        params = [r.request.params for r in self._slots if r is not None]
+        return {**uses_of(params), "min_tokens": any(p.min_tokens > 0 for p in params)}
+
+    def _sample(self, logits: torch.Tensor, index, active: torch.Tensor, uses: dict[str, bool]) -> None:
+        """Sample one token for each row of `index` (a slice or slot ids) and record it in active rows:
+        output buffers, count, next token, and the end of the sequence (stop id past min_tokens, or
+        max_tokens), all on the device."""
+        t = self._t
+        count, stops = t["count"][index], t["stops"][index]
+        uses = dict(uses)
+        if uses.pop("min_tokens"):
+            logits = self._mask_early_stops(logits, stops, count < t["min_tokens"][index])
+        rows = SamplingRows(
+            uniform=stream_uniforms(t["stream"][index], count),
+            **{k: t[k][index] for k in SETTING_DTYPES},
+            **uses,
+        )
+        tokens, log_probs = sample_rows(logits, rows, t["seen"][index] if "seen" in t else None, self.draw)
+        rows_at = torch.arange(len(tokens), device=self.device) if isinstance(index, slice) else index
+        at = count.clamp(max=t["out_tokens"].shape[1] - 1)
+        for name, value in (("out_tokens", tokens), ("out_logprobs", log_probs)):
+            t[name][rows_at, at] = torch.where(active, value, t[name][rows_at, at])
+        if "seen" in t:
+            t["seen"][rows_at, tokens] |= active
+        n = count + 1
+        stop = (tokens[:, None] == stops).any(-1) & (n >= t["min_tokens"][index])
+        t["count"][index] = count + active
+        t["active"][index] = active & ~(stop | (n >= t["max_tokens"][index]))
+        t["tokens"][index] = tokens
+
+    def _mask_early_stops(self, logits, stops, early) -> torch.Tensor:
+        """Rows below their min_tokens cannot sample a token that would end them (vLLM's rule)."""
+        N, V = logits.shape
+        column = torch.where(stops >= 0, stops, V)  # padding goes to a spare column
+        block = torch.zeros(N, V + 1, dtype=torch.bool, device=logits.device)
+        block.scatter_(1, column, early[:, None].expand_as(column))
+        return logits.masked_fill(block[:, :V], float("-inf"))
+
+    def _collect(self, only: Sequence[int] | None = None, abort: bool = False) -> list[Completion]:
+        """Read the slots back (one copy): the running requests among `only` (default all) that
+        finished, or all of them when `abort`, as Completions; their slots are freed."""
+        candidates = [i for i in (range(len(self._slots)) if only is None else only) if self._slots[i] is not None]
+        if not candidates:
+            return []
+        index = torch.tensor(candidates, dtype=torch.long, device=self.device)
+        t = self._t
+        state = torch.stack([t["active"][index].long(), t["count"][index]], 1).tolist()
+        done = [(i, n) for i, (running, n) in zip(candidates, state) if abort or not running]
+        if not done:
+            return []
+        rows = torch.tensor([i for i, _ in done], dtype=torch.long, device=self.device)
+        # one copy of both: token ids are exact in fp64 (< 2**53)
+        out = torch.cat([t["out_tokens"][rows].double(), t["out_logprobs"][rows].double()], 1).tolist()
+        T = t["out_tokens"].shape[1]
+        completions = []
+        for (i, n), values in zip(done, out):
+            r = self._slots[i]
+            tokens = [int(x) for x in values[:n]]
+            p = r.request.params
+            if abort:
+                reason = "abort"
+            elif tokens and tokens[-1] in self._stops(p) and n >= p.min_tokens:
+                reason = "stop"
+            else:
+                reason = "length"
+            log_probs = values[T : T + n] if p.logprobs else None
+            completions.append(Completion(r.request.request_id, tokens, log_probs, reason))
+            self._slots[i] = None
+        return completions
 
     # ---- internals ---------------------------------------------------------------------------
 
     def _check(self, requests: Sequence[Request]) -> None:
-        running_ids = {r.request.request_id for r in self._running}
+        running_ids = {r.request.request_id for r in self._slots if r is not None}
         seen: set[str] = set()
         for r in requests:
             if r.request_id in running_ids:
@@ -186,54 +424,6 @@ class GenerationEngine:
         stream = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
         self._copies[copy] += 1
         return stream
-
-    def _sample(self, running: list[_Running], logits: torch.Tensor):
-        """Sample one token per running sequence; returns (finished completions, kept row indices,
-        sampled tokens [N])."""
-        logits = self._mask_early_stops(running, logits)
-        params = [r.request.params for r in running]
-        seen = self._seen(running) if any(p.repetition_penalty != 1.0 for p in params) else None
-        uniforms = [None if r.stream is None else stream_uniform(r.stream, len(r.tokens)) for r in running]
-        tokens, log_probs = sample(logits, params, uniforms, seen)
-        finished, keep = [], []
-        for i, (r, token, lp) in enumerate(zip(running, tokens.tolist(), log_probs.tolist())):
-            r.tokens.append(token)
-            r.log_probs.append(lp)
-            p = r.request.params
-            stops = p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_token_ids))
-            if token in stops and len(r.tokens) >= p.min_tokens:
-                finished.append(self._completion(r, "stop"))
-            elif len(r.tokens) >= p.max_tokens:
-                finished.append(self._completion(r, "length"))
-            else:
-                keep.append(i)
-        return finished, keep, tokens
-
-    def _mask_early_stops(self, running: list[_Running], logits: torch.Tensor) -> torch.Tensor:
-        """Rows below their min_tokens cannot sample a token that would end them (vLLM's rule)."""
-        rows = [i for i, r in enumerate(running) if len(r.tokens) < r.request.params.min_tokens]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        for i in rows:
-            p = running[i].request.params
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            ids = [t for t in stops if 0 <= t < logits.shape[-1]]
-            if ids:
-                logits[i, ids] = float("-inf")
-        return logits
-
-    def _seen(self, running: list[_Running]) -> torch.Tensor:
-        seen = torch.zeros(len(running), self.vocab_size, dtype=torch.bool, device=self.device)
-        for i, r in enumerate(running):
-            ids = torch.tensor(list(r.request.prompt_ids) + r.tokens, dtype=torch.long, device=self.device)
-            seen[i, ids] = True
-        return seen
-
-    @staticmethod
-    def _completion(r: _Running, reason: str) -> Completion:
-        lps = list(r.log_probs) if r.request.params.logprobs else None
-        return Completion(r.request.request_id, list(r.tokens), lps, reason)
 
 
 __all__ = ["Completion", "GenerationEngine", "Request", "check_prompt"]

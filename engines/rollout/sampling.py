@@ -13,8 +13,10 @@ was drawn from):
 4. log-softmax of what remains; greedy rows take the argmax, the others draw from it by inverting
    its CDF at a number of the request's own stream (`stream_uniform`), so what a row draws does not
    depend on the other rows. Streams are counter-based hashes rather than torch generators: one
-   batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU) and the same
-   numbers on every device.
+   batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU), computed on the
+   device (`stream_uniforms`: splitmix64 in int64 arithmetic, the same numbers as the host's
+   `stream_uniform`) and the same numbers on every device.
+Every per-row setting is a tensor (`SamplingRows`), so a decode step samples with no host round-trip.
 verl's trainer computes log_softmax(logits / temperature) over the whole vocabulary, so with
 top_k=-1, top_p=1, min_p=0 (the defaults) rollout and trainer log-probs are the same quantity.
 """
@@ -22,10 +24,13 @@ top_k=-1, top_p=1, min_p=0 (the defaults) rollout and trainer log-probs are the 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from ...ops import resolve
+from ...ops.sampling import inverse_cdf
 
 GREEDY_EPS = 1e-5  # vLLM's: temperatures below it mean greedy
 # Keys verl's agent loops and LLMServerClient send that change nothing here.
@@ -112,12 +117,114 @@ def stream_seed(seed: int, weights_version: int, prompt_ids: Sequence[int], key:
 
 
 def stream_uniform(stream: int, index: int) -> float:
-    """Number `index` of stream `stream`: uniform in [0, 1) with 53 random bits, a hash of both."""
-    return (_hash64(int(stream), int(index)) >> 11) * 2.0**-53
+    """Number `index` of stream `stream` (both in [0, 2**63)): uniform in [0, 1) with 53 random bits,
+    splitmix64's mix of the mixed stream xor the index. `stream_uniforms` computes the same on a device."""
+    return (_mix64(_mix64(int(stream)) ^ int(index)) >> 11) * 2.0**-53
+
+
+_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    z = (z + _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _as_int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_t(z: torch.Tensor) -> torch.Tensor:
+    """`_mix64` on int64 tensors: additions and products wrap modulo 2**64 as unsigned ones would."""
+    z = z + _as_int64(_GAMMA)
+    z = (z ^ _shr(z, 30)) * _as_int64(_M1)
+    z = (z ^ _shr(z, 27)) * _as_int64(_M2)
+    return z ^ _shr(z, 31)
+
+
+def stream_uniforms(streams: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`stream_uniform` elementwise on int64 tensors, on their device: fp64 in [0, 1)."""
+    return _shr(_mix64_t(_mix64_t(streams) ^ index), 11).double() * 2.0**-53
 
 
 def _hash64(*values) -> int:
     return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass
+class SamplingRows:
+    """N rows' settings as tensors on the logits' device ([N] each): temperature (1 for greedy rows),
+    greedy, top_k (0 or >= VOCAB: off), top_p, min_p, penalty (repetition), uniform (the row's
+    stream number for this token, fp64; ignored for greedy rows). The `use_*` flags say whether any
+    row needs a step (what no row needs is skipped); they are the caller's to keep true."""
+
+    temperature: torch.Tensor
+    greedy: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    penalty: torch.Tensor
+    uniform: torch.Tensor
+    use_temperature: bool = True
+    use_top_k: bool = True
+    use_top_p: bool = True
+    use_min_p: bool = True
+    use_penalty: bool = True
+    use_sampling: bool = True
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], uniforms: Sequence[float | None], device: torch.device | str
+    ) -> SamplingRows:
+        """From N SamplingParams and their numbers (None only for greedy rows)."""
+        if any(u is None and not p.greedy for p, u in zip(params, uniforms)):
+            raise ValueError("every sampled row needs a number of its own stream")
+        values = settings_of(params)
+        tensors = {k: torch.tensor(v, dtype=SETTING_DTYPES[k], device=device) for k, v in values.items()}
+        u = torch.tensor([0.0 if x is None else x for x in uniforms], dtype=torch.float64, device=device)
+        return cls(uniform=u, **tensors, **uses_of(params))
+
+
+SETTING_DTYPES = {
+    "temperature": torch.float32,
+    "greedy": torch.bool,
+    "top_k": torch.long,
+    "top_p": torch.float32,
+    "min_p": torch.float32,
+    "penalty": torch.float32,
+}
+
+
+def settings_of(params: Sequence[SamplingParams]) -> dict[str, list]:
+    """The per-row tensors' values of `SamplingRows` (all but uniform) for these params."""
+    return {
+        "temperature": [1.0 if p.greedy else p.temperature for p in params],
+        "greedy": [p.greedy for p in params],
+        "top_k": [max(p.top_k, 0) for p in params],
+        "top_p": [p.top_p for p in params],
+        "min_p": [p.min_p for p in params],
+        "penalty": [p.repetition_penalty for p in params],
+    }
+
+
+def uses_of(params: Sequence[SamplingParams]) -> dict[str, bool]:
+    """`SamplingRows`' use_* flags for rows with these params."""
+    return {
+        "use_temperature": any(not p.greedy and p.temperature != 1.0 for p in params),
+        "use_top_k": any(p.top_k > 0 for p in params),
+        "use_top_p": any(p.top_p < 1.0 for p in params),
+        "use_min_p": any(p.min_p > 0.0 for p in params),
+        "use_penalty": any(p.repetition_penalty != 1.0 for p in params),
+        "use_sampling": any(not p.greedy for p in params),
+    }
 
 
 def sample(
@@ -126,7 +233,7 @@ def sample(
     uniforms: Sequence[float | None],
     seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row.
+    """One token per row (`sample_rows` with the settings of `params`).
 
     Args:
         logits: [N, VOCAB] next-token logits (any float dtype).
@@ -140,59 +247,66 @@ def sample(
     Raises:
         ValueError: a sampled (not greedy) row without its number.
     """
-    N, vocab = logits.shape
+    return sample_rows(logits, SamplingRows.from_params(params, uniforms, logits.device), seen)
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor | None = None, draw: Callable | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with the settings as tensors: no value is read back to the host. Rows that filter nothing
+    (no penalty, top-k, top-p or min-p) go through the sampling op (`draw`, default `resolve("sampling")`:
+    one Triton kernel on cuda / npu)."""
+    if not (rows.use_penalty or rows.use_top_k or rows.use_top_p or rows.use_min_p):
+        return (draw or resolve("sampling"))(logits, rows.temperature, rows.greedy, rows.uniform)
     x = logits.float()
-    device = x.device
-    penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
-    if seen is not None and bool((penalty != 1.0).any()):
-        pen = penalty[:, None]
+    if seen is not None and rows.use_penalty:
+        pen = rows.penalty[:, None]
         x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-    x = x / temperature[:, None]
-    x = _mask_top_k(x, [p.top_k for p in params], vocab)
-    x = _mask_top_p_min_p(x, [p.top_p for p in params], [p.min_p for p in params])
+    if rows.use_temperature:
+        x = x / rows.temperature[:, None]
+    if rows.use_top_k:
+        x = _mask_top_k(x, rows.top_k)
+    if rows.use_top_p or rows.use_min_p:
+        x = _mask_top_p_min_p(x, rows.top_p if rows.use_top_p else None, rows.min_p if rows.use_min_p else None)
     logprobs = torch.log_softmax(x, dim=-1)
     tokens = x.argmax(-1)
-    sampled = [n for n in range(N) if not params[n].greedy]
-    if any(uniforms[n] is None for n in sampled):
-        raise ValueError("every sampled row needs a number of its own stream")
-    if sampled:
-        rows = torch.tensor(sampled, device=device)
-        # fp64: a parallel scan may round a masked (zero-probability) token's CDF one ulp above its
-        # neighbour's, leaving it a ~1e-16 chance in fp64 (~1e-7 in fp32, times the masked tokens)
-        cdf = logprobs[rows].double().exp().cumsum(-1)
-        total = cdf[:, -1:]
-        u = torch.tensor([uniforms[n] for n in sampled], dtype=torch.float64, device=device)[:, None]
-        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens[rows] = torch.searchsorted(cdf, target, right=True)[:, 0]
+    if rows.use_sampling:
+        tokens = torch.where(rows.greedy, tokens, inverse_cdf(logprobs.exp(), rows.uniform))
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-def _mask_top_k(x: torch.Tensor, top_k: list[int], vocab: int) -> torch.Tensor:
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    if all(k == vocab for k in ks):
-        return x
-    k = torch.tensor(ks, device=x.device)
+def _mask_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])  # [N, 1]
     return x.masked_fill(x < kth, float("-inf"))
 
 
-def _mask_top_p_min_p(x: torch.Tensor, top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
-        return x
+def _mask_top_p_min_p(x: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, device=x.device)[:, None]
+    if top_p is not None:
+        p = top_p[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= p
+        drop_sorted = (mass_before >= p) & (p < 1.0)  # p = 1 keeps all, whatever the rounding of the sum
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    if any(m > 0.0 for m in min_p):
-        m = torch.tensor(min_p, device=x.device)[:, None]
+    if min_p is not None:
+        m = min_p[:, None]
         x = x.masked_fill(probs < m * probs.max(-1, keepdim=True).values, float("-inf"))
     return x
 
 
-__all__ = ["GREEDY_EPS", "SamplingParams", "sample", "stream_seed", "stream_uniform"]
+__all__ = [
+    "GREEDY_EPS",
+    "SamplingParams",
+    "SamplingRows",
+    "sample",
+    "sample_rows",
+    "settings_of",
+    "stream_seed",
+    "stream_uniform",
+    "stream_uniforms",
+    "uses_of",
+]

@@ -36,6 +36,10 @@ def _grouped_mm_takes(like: torch.Tensor, *dims: int) -> bool:
         return False
     if like.device.type not in ("cuda", "cpu"):  # torch_npu has no grouped_mm kernel: segment loop there
         return False
+    # On CUDA only bf16 has a native grouped_mm kernel; other dtypes take torch's per-group fallback,
+    # which copies the offsets to the host (a sync per call, and impossible inside a graph capture).
+    if like.device.type == "cuda" and like.dtype != torch.bfloat16:
+        return False
     # grouped_mm needs 16-byte aligned strides on every operand.
     return all((d * like.element_size()) % 16 == 0 for d in dims)
 

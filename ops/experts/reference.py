@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .. import device
+
 
 def check_experts_inputs(
     hidden, gate_up_proj, down_proj, topk_idx, topk_weight, num_experts: int | None = None
@@ -47,7 +49,7 @@ def check_experts_inputs(
     if not topk_weight.is_floating_point():
         raise ValueError(f"topk_weight must be floating point, got {topk_weight.dtype}")
     E = E if num_experts is None else num_experts
-    if topk_idx.numel():
+    if topk_idx.numel() and not device.capturing():  # a graph capture cannot read values back
         lo, hi = torch.aminmax(topk_idx)  # one device sync
         if lo < 0 or hi >= E:
             raise ValueError(f"topk_idx values must be in [0, E={E})")

@@ -24,7 +24,7 @@ IMPLS = {
 }
 
 
-def check_gdn_step_inputs(q, k, v, g, beta, state) -> None:
+def check_gdn_step_inputs(q, k, v, g, beta, state, active=None, inplace=False) -> None:
     """Raise ValueError for shapes or dtypes the step cannot take."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -41,12 +41,18 @@ def check_gdn_step_inputs(q, k, v, g, beta, state) -> None:
         raise ValueError(f"state must be [N, HV, K, V] = {(N, HV, K, V)}, got {tuple(state.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if active is not None and (active.dtype != torch.bool or tuple(active.shape) != (N,)):
+        raise ValueError(f"active must be a [N] = ({N},) bool tensor, got {tuple(active.shape)} {active.dtype}")
+    if inplace and state.dtype != (torch.float64 if v.dtype == torch.float64 else torch.float32):
+        raise ValueError(f"an in-place step needs the state in its compute dtype, got {state.dtype}")
 
 
-def gated_delta_rule_step_ref(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False):
+def gated_delta_rule_step_ref(
+    q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, active=None, inplace=False
+):
     """The recurrent reference for one token of each of N sequences; arguments and returns as
     `gated_delta_rule_step`."""
-    check_gdn_step_inputs(q, k, v, g, beta, state)
+    check_gdn_step_inputs(q, k, v, g, beta, state, active, inplace)
     o, new_state = recurrent_gated_delta_rule_ref(
         q[:, None],
         k[:, None],
@@ -58,7 +64,14 @@ def gated_delta_rule_step_ref(q, k, v, g, beta, state, scale=None, use_qk_l2norm
         output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
-    return o[:, 0], new_state
+    return o[:, 0], _keep_inactive(new_state, state, active, inplace)
+
+
+def _keep_inactive(new_state, state, active, inplace):
+    """The step's returned state: inactive rows keep `state`'s; written into `state` when in place."""
+    if active is not None:
+        new_state = torch.where(active[:, None, None, None], new_state, state.to(new_state.dtype))
+    return state.copy_(new_state) if inplace else new_state
 
 
 def gated_delta_rule_step(
@@ -70,6 +83,8 @@ def gated_delta_rule_step(
     state: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    active: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance N sequences by one token each (the dispatched `gdn.step` op).
 
@@ -80,13 +95,17 @@ def gated_delta_rule_step(
         state: [N, HV, K, V] each sequence's state before this token (any float dtype).
         scale: query scale, default K ** -0.5.
         use_qk_l2norm_in_kernel: l2-normalise q and k over K first (eps 1e-6, as the chunked op).
+        active: optional [N] bool; rows where it is False keep their state (their o is undefined),
+            so a decode batch of fixed size can carry idle slots.
+        inplace: write the new state into `state` (which must then be fp32, fp64 for fp64 inputs)
+            and return it: a decode step then moves each state tile once.
     Returns:
         o: [N, HV, V] in v's dtype; new_state: [N, HV, K, V] fp32 (fp64 for fp64 inputs), a new
-        tensor (the input state is not written).
+        tensor unless `inplace`.
     Raises:
-        ValueError: bad shapes or mixed q/k/v dtypes.
+        ValueError: bad shapes, mixed q/k/v dtypes, a bad `active`, an in-place state of another dtype.
     """
-    check_gdn_step_inputs(q, k, v, g, beta, state)
+    check_gdn_step_inputs(q, k, v, g, beta, state, active, inplace)
     out_dtype = v.dtype
     cd = torch.float64 if out_dtype == torch.float64 else torch.float32
     K = q.shape[-1]
@@ -102,7 +121,7 @@ def gated_delta_rule_step(
     u = beta[..., None] * (v - torch.einsum("nhk,nhkv->nhv", k, S))
     S = S + k[..., :, None] * u[..., None, :]
     o = torch.einsum("nhk,nhkv->nhv", q, S)
-    return o.to(out_dtype), S
+    return o.to(out_dtype), _keep_inactive(S, state, active, inplace)
 
 
 __all__ = ["IMPLS", "check_gdn_step_inputs", "gated_delta_rule_step", "gated_delta_rule_step_ref"]

@@ -29,6 +29,7 @@ def _gdn_step_fwd_kernel(
     state,
     o,
     new_state,
+    active,
     scale,
     N,
     H: tl.constexpr,
@@ -38,10 +39,13 @@ def _gdn_step_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
 ):
     """One tile = (sequence, value head, block of BV value columns): its state S [K, BV] is read,
-    decayed, delta-updated with this token's k/v, read out with q and written once. 1-D grid of
-    min(N * HV * cdiv(V, BV), 65535) programs, each looping over tiles."""
+    decayed, delta-updated with this token's k/v, read out with q and written once (not at all for
+    an inactive sequence). new_state may be state itself: a tile is read before it is written and
+    no other tile reads it. 1-D grid of min(N * HV * cdiv(V, BV), 65535) programs, each looping
+    over tiles."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     NV = tl.cdiv(V, BV)
     o_k = tl.arange(0, BK)
@@ -69,6 +73,9 @@ def _gdn_step_fwd_kernel(
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0)
         tl.store(o + i_nh.to(tl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if HAS_ACTIVE:
+            keep = tl.zeros([BK, BV], dtype=tl.int32) + tl.load(active + i_n).to(tl.int32)  # a full mask block
+            m_s = m_s & (keep != 0)
         tl.store(new_state + p_s, b_s, mask=m_s)
 
 
@@ -96,19 +103,26 @@ def gated_delta_rule_step_triton(
     state: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    active: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_rule_step` in one Triton kernel (fp32 math and state; o in v's dtype).
-    Raises ValueError as `gated_delta_rule_step`, and for fp64 inputs or K > 128."""
-    check_gdn_step_inputs(q, k, v, g, beta, state)
+    Raises ValueError as `gated_delta_rule_step`, and for fp64 inputs, K > 128 or an in-place
+    state that is not contiguous."""
+    check_gdn_step_inputs(q, k, v, g, beta, state, active, inplace)
     if v.dtype == torch.float64:
         raise ValueError("the Triton gdn step computes in fp32: use impl 'torch' for fp64")
     N, H, K = q.shape
     HV, V = v.shape[1:]
     if K > MAX_K:
         raise ValueError(f"the Triton gdn step holds K <= {MAX_K} per program, got K={K}")
+    if inplace and not state.is_contiguous():
+        raise ValueError("an in-place step needs a contiguous state")
     q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
     o = torch.empty_like(v)
-    new_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device)
+    new_state = state if inplace else torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device)
+    if active is not None and not inplace:
+        new_state.copy_(state)  # inactive rows keep theirs: the kernel skips their stores
     if N == 0:
         return o, new_state
     launch(
@@ -116,6 +130,7 @@ def gated_delta_rule_step_triton(
         STEP_CONFIGS,
         ["H", "HV", "K", "V"],
         _step_grid,
+        restore=("new_state",) if inplace else (),  # the autotune search must not step the state twice
         q=q,
         k=k,
         v=v,
@@ -124,6 +139,7 @@ def gated_delta_rule_step_triton(
         state=state,
         o=o,
         new_state=new_state,
+        active=active.view(torch.uint8) if active is not None else o,  # never read without HAS_ACTIVE
         scale=K**-0.5 if scale is None else float(scale),
         N=N,
         H=H,
@@ -132,6 +148,7 @@ def gated_delta_rule_step_triton(
         V=V,
         BK=next_pow2(K),
         USE_QK_L2NORM=use_qk_l2norm_in_kernel,
+        HAS_ACTIVE=active is not None,
     )
     return o, new_state
 

@@ -70,7 +70,9 @@ def test_replica_server_generates_through_ray(tmp_path):
         )
         for out, ref in zip(outs, expected):
             assert out.token_ids == ref.token_ids and out.extra_fields["global_steps"] == 7
-            assert torch.allclose(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), atol=1e-6, rtol=0)
+            # the server batches the requests as they arrive (other batch sizes, other GEMM row counts than
+            # the reference's one batch): fp32 last-bit differences, within the rollout's fp32 bound
+            assert torch.allclose(torch.tensor(out.log_probs), torch.tensor(ref.log_probs), atol=1e-5, rtol=0)
         asyncio.run(replica.sleep())  # frees the worker's rollout model
         with pytest.raises(ray.exceptions.RayTaskError, match="no weights"):
             ray.get(server.generate.remote([1, 2], dict(greedy), "after-sleep"))

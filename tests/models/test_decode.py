@@ -12,7 +12,7 @@ import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
-from verl_moe.models.decode import DecodeState, MoeDecoder
+from verl_moe.models.decode import MoeDecoder
 from verl_moe.ops.conv1d import causal_conv1d_ref
 from verl_moe.ops.conv1d.step import causal_conv1d_step_ref, conv1d_state_from_prefill
 from verl_moe.ops.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
@@ -42,7 +42,8 @@ def _full_forward_logits(model, sequences):
 
 def _greedy(decoder, prompts, steps):
     """Greedy continuation -> (tokens [N, steps], logits [N, steps, VOCAB]) from prefill + steps."""
-    logits, state = decoder.prefill(prompts, capacity=max(map(len, prompts)) + steps)
+    state = decoder.allocate(len(prompts), max(map(len, prompts)) + steps)
+    logits = decoder.prefill(prompts, state, list(range(len(prompts))))
     tokens, all_logits = [], []
     for i in range(steps):
         all_logits.append(logits.float())
@@ -69,31 +70,56 @@ def test_decode_matches_full_forward(make_config):
         assert torch.equal(tokens[n], ref.argmax(-1))
 
 
-def test_decode_state_select_and_concat():
-    """Sequences prefilled apart, then joined (KV caches of different capacity) and reordered, step
-    exactly as when prefilled together."""
+def test_slots_step_independently_of_where_and_when_they_were_filled():
+    """Sequences prefilled together into slots 0..2 step as the same sequences prefilled one by one
+    into scattered slots of a larger state (idle slots between them, an inactive one among the
+    stepped ones), moved down into slots 0..2 and grown to more slots and positions: every slot's
+    state follows only its own tokens, and an inactive slot keeps its state and length exactly."""
     model = _model(tiny_qwen3_5_moe_text())
     decoder = MoeDecoder(model)
-    logits_all, together = decoder.prefill(PROMPTS, capacity=16)
-    _, a = decoder.prefill(PROMPTS[:1], capacity=6)
-    _, b = decoder.prefill(PROMPTS[1:], capacity=12)
-    joined = DecodeState.concat([b, a]).select([2, 0, 1])  # back to PROMPTS order
-    tokens = logits_all.argmax(-1)
+    together = decoder.allocate(3, 16)
+    logits = decoder.prefill(PROMPTS, together, [0, 1, 2])
+    tokens = logits.argmax(-1)
+
+    apart = decoder.allocate(6, 12)
+    for prompt, slot in zip(PROMPTS, [4, 1, 3]):
+        decoder.prefill([prompt], apart, [slot])
+    before = [c.recurrent[5].clone() for c in apart.layers if hasattr(c, "recurrent")]
+    scattered = torch.zeros(6, dtype=torch.long)
+    scattered[[4, 1, 3]] = tokens
+    active = torch.tensor([False, True, False, True, True, False])
+    step_apart = decoder.step(scattered, apart, active)[[4, 1, 3]]
     step_together = decoder.step(tokens, together)
-    step_joined = decoder.step(tokens, joined)
-    assert_rel_rms("joined step", step_together, step_joined, 1e-6)
-    assert torch.equal(together.lengths, joined.lengths)
+    assert_rel_rms("scattered slots' step", step_together, step_apart, 1e-6)
+    assert apart.lengths.tolist() == [0, 1 + len(PROMPTS[1]), 0, 1 + len(PROMPTS[2]), 1 + len(PROMPTS[0]), 0]
+    after = [c.recurrent[5] for c in apart.layers if hasattr(c, "recurrent")]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the inactive slot kept its state
+
+    apart.move([4, 1, 3], [0, 1, 2])
+    apart.resize(8, 20)
+    assert apart.capacity == 20 and apart.num_slots == 8 and apart.version == 1
+    tokens = step_together.argmax(-1)
+    step_moved = decoder.step(torch.cat([tokens, torch.zeros(5, dtype=torch.long)]), apart, torch.arange(8) < 3)
+    assert_rel_rms("moved and grown slots' step", decoder.step(tokens, together), step_moved[:3], 1e-6)
 
 
 def test_decode_rejects_bad_inputs():
     decoder = MoeDecoder(_model(tiny_qwen3_moe()))
+    state = decoder.allocate(2, 4)
     with pytest.raises(ValueError, match="at least one token"):
-        decoder.prefill([[1, 2], []])
+        decoder.prefill([[1, 2], []], state, [0, 1])
     with pytest.raises(ValueError, match="token ids"):
-        decoder.prefill([[1, 500]])
-    _, state = decoder.prefill([[1, 2]])
+        decoder.prefill([[1, 500]], state, [0])
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.prefill([[1, 2, 3, 4, 5]], state, [0])
+    with pytest.raises(ValueError, match="distinct indices"):
+        decoder.prefill([[1], [2]], state, [1, 1])
     with pytest.raises(ValueError, match="tokens must be"):
-        decoder.step(torch.tensor([1, 2]), state)
+        decoder.step(torch.tensor([1, 2, 3]), state)
+    with pytest.raises(ValueError, match="active must be"):
+        decoder.step(torch.tensor([1, 2]), state, torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="only grow"):
+        state.resize(1, 4)
 
 
 # ---- step ops ------------------------------------------------------------------------------
@@ -195,3 +221,29 @@ def test_gdn_step_triton_equals_fp64_reference(dtype, tol, l2norm, shape):
         assert o.dtype == dtype and state.dtype == torch.float32
         assert_rel_rms(f"triton step o t={t}", o_ref, o, tol)
     assert_rel_rms("triton step state", state_ref, state, tol)
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
+def test_gdn_step_in_place_with_inactive_rows(impl):
+    """In place with an `active` mask: active rows get the out-of-place step's o and state (bitwise:
+    the same operations), inactive rows keep their state bitwise, and the state tensor is the one
+    returned."""
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_step_triton
+
+    step = {"torch": gated_delta_rule_step, "reference": gated_delta_rule_step_ref}.get(impl)
+    step = step or gated_delta_rule_step_triton
+    q, k, v, g, beta, s0 = _gdn_inputs(4, 1, 2, 4, 16, 8, torch.float32)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    o_ref, s_ref = step(*args, s0.clone(), use_qk_l2norm_in_kernel=True)
+    active = torch.tensor([True, False, True, False])
+    state = s0.clone()
+    o, out = step(*args, state, use_qk_l2norm_in_kernel=True, active=active, inplace=True)
+    assert out is state
+    assert torch.equal(o[active], o_ref[active])
+    assert torch.equal(state[active], s_ref[active]) and torch.equal(state[~active], s0[~active])
+    o2, new = step(*args, s0.clone(), use_qk_l2norm_in_kernel=True, active=active)  # out of place, masked
+    assert torch.equal(new[active], s_ref[active]) and torch.equal(new[~active], s0[~active])
+    with pytest.raises(ValueError, match="compute dtype"):
+        step(*args, s0.double(), inplace=True)
+    with pytest.raises(ValueError, match="active must be"):
+        step(*args, s0, active=active[:2])

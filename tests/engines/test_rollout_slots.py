@@ -1,0 +1,140 @@
+"""Our rollout engine's fixed decode slots (`engines/rollout/engine.py`), without verl or Ray: slots
+finish, free, are reused and packed down; a full engine refuses with one line and admits nothing;
+abort returns what was generated; the device-side stream numbers equal the host's. The device-graph
+engine is checked against the eager one in tests/models/test_decode_graphs.py (GPU).
+
+Reference: each request generated alone in a fresh engine (one request, one slot). Its tokens must be
+equal (fixed seeds and streams: deterministic); its log-probs within 1e-5 (fp32: the same request in
+another batch runs through GEMMs of another row count, last-bit differences).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import verl_moe.models as vm
+from transformers import Qwen3_5MoeTextConfig
+from verl_moe.engines.rollout.engine import GenerationEngine, Request
+from verl_moe.engines.rollout.sampling import SamplingParams, stream_uniform, stream_uniforms
+
+VOCAB = 64
+
+
+def _model(dtype=torch.float32, device="cpu") -> vm.MoeCausalLM:
+    """Tiny Qwen3.5-MoE: GatedDeltaNet, attention and MoE layers, random norms."""
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = vm.build(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.2)
+    return model.to(device, dtype).eval()
+
+
+def _requests(n: int) -> list[Request]:
+    """n requests of distinct prompts and lengths: greedy and sampled ones, short and long budgets."""
+    out = []
+    for i in range(n):
+        prompt = tuple((7 * i + 3 * j) % VOCAB for j in range(1 + i % 5))
+        params = SamplingParams(max_tokens=1 + (5 * i) % 9, temperature=0.0 if i % 3 == 0 else 1.0, logprobs=True)
+        out.append(Request(f"r{i}", prompt, params))
+    return out
+
+
+def _alone(model, requests) -> dict:
+    return {r.request_id: GenerationEngine(model, [], seed=3).generate([r])[0] for r in requests}
+
+
+def _assert_same(done: list, alone: dict, tol: float = 1e-5) -> None:
+    assert sorted(c.request_id for c in done) == sorted(alone)
+    for c in done:
+        ref = alone[c.request_id]
+        assert c.token_ids == ref.token_ids, c.request_id
+        assert c.finish_reason == ref.finish_reason
+        assert max(abs(a - b) for a, b in zip(c.log_probs, ref.log_probs)) <= tol
+
+
+def test_slots_are_freed_reused_and_each_request_decodes_as_alone():
+    """Twelve requests through four slots, admitted as slots free (syncing every 3 steps): every
+    request's tokens equal its generation alone, and the engine never holds more than four slots."""
+    model = _model()
+    requests = _requests(12)
+    engine = GenerationEngine(model, [], seed=3, max_num_seqs=4, sync_every=3)
+    queue, done = list(requests), []
+    while queue or engine.num_running:
+        room = 4 - engine.num_running
+        done += engine.add(queue[:room]) + engine.step(2)
+        queue = queue[room:]
+        assert len(engine._slots) <= 4
+    _assert_same(done, _alone(model, requests))
+
+
+def test_running_slots_are_packed_down_when_low_ones_finish():
+    """Eight slots, the first six finish after one token: the two long requests move to slots 0 and 1
+    (so steps run at batch 2) and still decode as alone."""
+    model = _model()
+    requests = [Request(f"s{i}", (i + 1, 2 * i + 1), SamplingParams(max_tokens=1, temperature=0.0)) for i in range(6)]
+    requests += [
+        Request(f"l{i}", (i + 5,), SamplingParams(max_tokens=9, temperature=1.0, logprobs=True)) for i in range(2)
+    ]
+    engine = GenerationEngine(model, [], seed=3, max_num_seqs=8)
+    done = engine.add(requests)
+    assert sorted(c.request_id for c in done) == [f"s{i}" for i in range(6)]
+    done += engine.step(1)
+    assert [i for i, r in enumerate(engine._slots) if r is not None] == [0, 1]
+    while engine.num_running:
+        done += engine.step(4)
+    alone = _alone(model, requests)
+    for c in done:
+        assert c.token_ids == alone[c.request_id].token_ids
+
+
+def test_full_engine_refuses_with_one_line_and_admits_nothing():
+    model = _model()
+    requests = [
+        Request(f"f{i}", (i + 2,), SamplingParams(max_tokens=6, temperature=1.0, logprobs=True)) for i in range(3)
+    ]
+    engine = GenerationEngine(model, [], seed=3, max_num_seqs=2)
+    done = engine.add(requests[:2])
+    with pytest.raises(ValueError, match=r"do not fit: 2 of max_num_seqs=2 slots are running"):
+        engine.add(requests[2:])
+    while engine.num_running:
+        done += engine.step(4)
+    done += engine.generate(requests[2:])
+    _assert_same(done, _alone(model, requests))
+
+
+def test_abort_returns_what_was_generated_and_the_engine_goes_on():
+    model = _model()
+    requests = [
+        Request(f"a{i}", (i + 1, 9), SamplingParams(max_tokens=8, temperature=1.0, logprobs=True)) for i in range(3)
+    ]
+    engine = GenerationEngine(model, [], seed=3)
+    engine.add(requests)
+    engine.step(3)
+    aborted = engine.abort_all()
+    alone = _alone(model, requests)
+    assert engine.num_running == 0 and len(aborted) == 3
+    for c in aborted:
+        assert c.finish_reason == "abort" and len(c.token_ids) == 4  # the prefill's token + 3 steps
+        assert c.token_ids == alone[c.request_id].token_ids[:4]
+    _assert_same(engine.generate(_requests(5)), _alone(model, _requests(5)))
+
+
+def test_device_stream_numbers_equal_the_hosts():
+    """`stream_uniforms` (int64 tensor arithmetic) gives `stream_uniform`'s numbers (Python integers)."""
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.cat([torch.randint(0, 2**63 - 1, (200,), generator=gen), torch.tensor([0, 1, 2**63 - 1])])
+    index = torch.randint(0, 2**20, (203,), generator=gen)
+    expect = [stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
+    assert stream_uniforms(streams, index).tolist() == expect

@@ -1,0 +1,92 @@
+"""Decode steps as captured device graphs (`models/decode.py` StepGraphs, the rollout engine's default on
+CUDA) against the same steps run eagerly: the same kernels on the same shapes, so logits, tokens and
+log-probs must be bitwise equal. GPU only (CPU has no device graphs; the eager step's slot logic is
+tested on CPU in test_decode.py and tests/engines/test_rollout_slots.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import verl_moe.models as vm
+from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="device graphs need a CUDA device"),
+]
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    model = vm.build(tiny_qwen3_5_moe_text())
+    randomize_norms(model)
+    return model.to("cuda", dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_step_equals_eager_step(dtype):
+    """Prefill scattered slots, then steps over 4 slots with one of them idle: graph replays give the
+    eager step's logits and leave the same state, and capturing does not disturb the running slots."""
+    from verl_moe.models.decode import MoeDecoder, StepGraphs
+
+    decoder = MoeDecoder(_model(dtype))
+    prompts, slots = [[5, 9, 3, 7, 1], [11], [2, 4, 6, 8]], [0, 3, 1]
+    states = [decoder.allocate(4, 32) for _ in range(2)]
+    first = [decoder.prefill(prompts, s, slots) for s in states]
+    assert torch.equal(first[0], first[1])
+    tokens = torch.zeros(2, 4, dtype=torch.long, device="cuda")
+    tokens[:, slots] = first[0].argmax(-1)
+    active = torch.tensor([True, True, False, True], device="cuda").repeat(2, 1)
+    graphs = StepGraphs(decoder)
+    for _ in range(6):
+        eager = decoder.step(tokens[0], states[0], active[0])
+        graph = graphs.step(tokens[1], states[1], active[1])
+        assert torch.equal(eager, graph)
+        tokens[:] = eager.argmax(-1)
+    assert len(graphs.graphs) == 1
+    assert torch.equal(states[0].lengths, states[1].lengths)
+    for a, b in zip(states[0].layers, states[1].layers):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_engine_with_graphs_equals_eager_engine(dtype):
+    """The rollout engine with graphs vs without, through slots that finish, free, take new requests
+    and pack down (several batch sizes, so several graphs): tokens and log-probs bitwise equal."""
+    from verl_moe.engines.rollout.engine import GenerationEngine, Request
+    from verl_moe.engines.rollout.sampling import SamplingParams
+
+    model = _model(dtype)
+    vocab = model.arch.vocab_size
+    requests = [
+        Request(
+            f"r{i}",
+            tuple((7 * i + 3 * j) % vocab for j in range(1 + i % 5)),
+            SamplingParams(max_tokens=1 + (5 * i) % 9, temperature=0.0 if i % 3 == 0 else 1.0, logprobs=True),
+        )
+        for i in range(20)
+    ]
+
+    def run(graphs: bool) -> dict:
+        engine = GenerationEngine(model, [], seed=3, max_num_seqs=8, sync_every=2, device_graphs=graphs)
+        queue, done = list(requests), []
+        while queue or engine.num_running:
+            room = 8 - engine.num_running
+            done += engine.add(queue[:room]) + engine.step(3)
+            queue = queue[room:]
+        if graphs:
+            assert len(engine.graphs.graphs) > 1
+        return {c.request_id: (c.token_ids, c.log_probs) for c in done}
+
+    assert run(True) == run(False)
+
+
+def test_device_stream_numbers_equal_the_hosts():
+    """`stream_uniforms` on CUDA (int64 arithmetic that wraps) gives the host's `stream_uniform` numbers."""
+    from verl_moe.engines.rollout.sampling import stream_uniform, stream_uniforms
+
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.cat([torch.randint(0, 2**63 - 1, (200,), generator=gen), torch.tensor([0, 1, 2**63 - 1])])
+    index = torch.randint(0, 2**20, (203,), generator=gen)
+    expect = [stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
+    assert stream_uniforms(streams.cuda(), index.cuda()).cpu().tolist() == expect
