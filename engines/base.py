@@ -14,7 +14,6 @@ One micro-batch: `batch.split_micro_batches` -> `batch.pack_micro_batch` -> `log
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable, Generator
@@ -28,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
+from verl.workers.engine.utils import postprocess_batch_func
 from verl_moe.engines import batch, export, router_replay
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines.config import (
@@ -125,7 +125,7 @@ class MoeEngineBase(BaseEngine):
 
     def initialize(self):
         """Build the sharded model (weights from `model_config.local_path`), optimizer and LR schedule."""
-        from verl_moe.ops.logprob import logprobs_and_entropy
+        from verl_moe.ops.logprob import logprob_head
 
         ops = ops_config(self.engine_config)
         # ops are chosen for the compute dtype (fp32 master weights compute in bf16 under mixed
@@ -140,7 +140,7 @@ class MoeEngineBase(BaseEngine):
             lora.apply_lora(model, self.lora)
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
-        module = LogProbModel(model, functools.partial(logprobs_and_entropy, impl=ops.impl("logprob")))
+        module = LogProbModel(model, logprob_head(ops.impl("logprob")))  # resolved once, as the model's ops
         self._shard(module)
         module.to_empty(device=self.device)
         check_tied_embeddings(module.model)  # a tied lm_head still shares the embedding's weight
@@ -270,10 +270,12 @@ class MoeEngineBase(BaseEngine):
         replay_action = router_replay.step_action(self.engine_config.router_replay.mode, data, forward_only)
         outputs = []
         for i, micro_indices in enumerate(indices):
-            micro_batch = batch.select_micro_batch(data, micro_indices).to(self.device)
+            micro_batch = batch.select_micro_batch(data, micro_indices)
+            # packed from the host copy: its sequence boundaries and temperatures are read there
+            packed = batch.pack_micro_batch(micro_batch, self.device)
+            micro_batch = micro_batch.to(self.device)
             if not forward_only:
                 self.module.set_requires_gradient_sync(i == len(indices) - 1 or not defer_sync)
-            packed = batch.pack_micro_batch(micro_batch, self.device)
             routing = nullcontext()
             if replay_action is not None:
                 routing = self.router_replay.armed(replay_action, micro_batch, packed, self.sequence_parallel)
@@ -300,7 +302,7 @@ class MoeEngineBase(BaseEngine):
                     "metrics": metrics,
                 }
             )
-        return batch.merge_outputs(outputs, indices)
+        return postprocess_batch_func(outputs, indices, data)  # model outputs back in the batch's order
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> dict:
         """One optimizer step on `data`; adds "grad_norm" and "grad_norm_nonfinite" (1.0 = step skipped)."""

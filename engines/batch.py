@@ -5,10 +5,11 @@ verl hands an engine a TensorDict whose sequences are jagged nested tensors (`in
 `use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`, `calculate_entropy`).
 Here: refuse switches we do not implement (`check_batch_options`), split a batch into micro-batches
 that every data-parallel rank agrees on (`split_micro_batches`), pack one micro-batch into one row
-(`[1, T]` with `cu_seqlens`: `pack_micro_batch`), slice that row over a Ulysses group
-(`slice_packed`), and turn per-token results back into nested tensors in verl's sequence order
-(`unpack_to_nested`, `merge_outputs`). The only collectives are the agreements over the
-data-parallel group (`global_token_count`, `split_micro_batches`).
+(`[1, T]` with `cu_seqlens`, and the same offsets as host ints, `cu_seqlens_cpu`, so no op reads them
+back from the device: `pack_micro_batch`), slice that row over a Ulysses group (`slice_packed`), and
+turn per-token results back into nested tensors (`unpack_to_nested`; verl's `postprocess_batch_func`
+then puts the micro-batches back in the batch's order). The only collectives are the agreements over
+the data-parallel group (`global_token_count`, `split_micro_batches`).
 
 Images (vision-language checkpoints): verl's per-sample `multi_modal_inputs` dicts (`pixel_values`
 [P_i, C*TP*PS*PS] and `image_grid_thw` [n_i, 3] per sample, videos likewise) are concatenated in the
@@ -27,9 +28,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
-from verl.utils.py_functional import append_to_dict
 from verl_moe.models.process_groups import UlyssesGroup
 from verl_moe.ops import device
+from verl_moe.ops.varlen import offsets_tensor
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
 UNSUPPORTED_SWITCHES = (
@@ -54,8 +55,11 @@ class PackedBatch:
     cu_seqlens: [N+1] int32, sequence boundaries in the packed row.
     labels: [T] int64, the packed row shifted left by one (labels[t] = input_ids[t+1]); the
         label of each sequence's last token is never read by verl's losses.
-    temperature: [T] fp32, each sequence's sampling temperature repeated over its tokens.
+    inv_temperature: [T] fp32, 1 / each sequence's sampling temperature, repeated over its tokens:
+        validated (finite, > 0) and inverted once here, what the log-prob head takes as it is.
     offsets: [N+1] int64, the nested tensors' offsets (what unpacking returns to).
+    cu_seqlens_cpu: cu_seqlens as host ints (None: the ops read cu_seqlens themselves). A tuple, not
+        a tensor: FSDP's root unit moves every tensor of its inputs to the device.
     media: the micro-batch's `MEDIA_KEYS` present (pixels of its samples concatenated in order, grids
         stacked); empty for text.
     """
@@ -64,8 +68,9 @@ class PackedBatch:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     labels: torch.Tensor
-    temperature: torch.Tensor
+    inv_temperature: torch.Tensor
     offsets: torch.Tensor
+    cu_seqlens_cpu: tuple[int, ...] | None = None
     media: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -115,15 +120,21 @@ def multimodal_inputs(micro_batch: TensorDict, device: torch.device) -> dict[str
 
 
 def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBatch:
-    """Nested `input_ids` / `position_ids` / `temperature` of one micro-batch -> `PackedBatch` on `device`."""
+    """Nested `input_ids` / `position_ids` / `temperature` of one micro-batch -> `PackedBatch` on `device`.
+
+    The micro-batch should still be on the host (as verl hands it over): its sequence boundaries and
+    temperatures are read there, without waiting for the device, and travel on with the packed row.
+    Raises ValueError on position ids or temperatures that do not match the sequences, or a
+    temperature that is not finite and > 0."""
     input_ids = micro_batch["input_ids"]
     offsets = input_ids.offsets().to(torch.int64)
-    seq_lens = offsets.diff()
+    bounds = tuple(offsets.tolist())
+    seq_lens = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     ids = input_ids.values().to(device=device, dtype=torch.int64).contiguous()
     # .values() of a nested tensor can be a strided view; kernels index positions by pointer.
     positions = micro_batch["position_ids"]
     if positions.dim() == 3:
-        positions = _four_rows(positions.values(), seq_lens.tolist())
+        positions = _four_rows(positions.values(), seq_lens)
     else:
         positions = positions.values()
     positions = positions.to(device=device, dtype=torch.int64).contiguous()
@@ -131,23 +142,33 @@ def pack_micro_batch(micro_batch: TensorDict, device: torch.device) -> PackedBat
         raise ValueError(f"position_ids hold {positions.shape[-1]} tokens, input_ids {ids.numel()}")
     # [T] or, for verl's multimodal rows, [4, T] -> [1, T] / [4, 1, T]
     positions = positions.unsqueeze(-2)
-    temperature = micro_batch["temperature"]
-    if isinstance(temperature, torch.Tensor):
-        per_seq = temperature.to(device=device, dtype=torch.float32).reshape(-1)
-        if per_seq.numel() != seq_lens.numel():
-            raise ValueError(f"temperature has {per_seq.numel()} entries for {seq_lens.numel()} sequences")
-        per_token = torch.repeat_interleave(per_seq, seq_lens.to(device))
-    else:
-        per_token = torch.full(ids.shape, float(temperature), dtype=torch.float32, device=device)
     return PackedBatch(
         input_ids=ids.unsqueeze(0),
         position_ids=positions,
-        cu_seqlens=offsets.to(device=device, dtype=torch.int32),
+        cu_seqlens=offsets_tensor(bounds, device),
         labels=torch.roll(ids, shifts=-1, dims=0),
-        temperature=per_token,
+        inv_temperature=inverse_temperature(micro_batch["temperature"], seq_lens, device),
         offsets=offsets,
+        cu_seqlens_cpu=bounds,
         media=multimodal_inputs(micro_batch, device),
     )
+
+
+def inverse_temperature(temperature: torch.Tensor | float, seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """[T] fp32 1 / temperature per token, from verl's per-sequence [N] tensor or one number.
+    Raises ValueError on a count that does not match the sequences or a value not finite and > 0."""
+    if isinstance(temperature, torch.Tensor):
+        per_seq = temperature.detach().to(torch.float32).reshape(-1)
+        if per_seq.numel() != len(seq_lens):
+            raise ValueError(f"temperature has {per_seq.numel()} entries for {len(seq_lens)} sequences")
+    else:
+        per_seq = torch.tensor([float(temperature)], dtype=torch.float32)
+    if not bool(((per_seq > 0) & torch.isfinite(per_seq)).all()):
+        raise ValueError(f"temperature must be finite and > 0 for every sequence, got {per_seq.tolist()}")
+    inverse = (1.0 / per_seq).cpu()  # fp32 division, as the head computed it from the fp32 temperature
+    if inverse.numel() == 1:
+        return torch.full((sum(seq_lens),), inverse.item(), dtype=torch.float32, device=device)
+    return torch.repeat_interleave(inverse, torch.tensor(seq_lens)).to(device)
 
 
 def _four_rows(values: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
@@ -223,6 +244,10 @@ def split_micro_batches(
     """Indices of each micro-batch; every data-parallel rank gets the same count (FSDP runs its
     collectives once per forward, so a rank with one forward more would wait forever).
 
+    Not verl's `prepare_micro_batches`: it asserts on one rank (a batch that does not divide by the
+    micro-batch size, a sequence over the token budget) while the others wait in its all_reduce, and
+    it hands back TensorDicts where we pack each micro-batch from its indices on the host.
+
     By count: consecutive chunks of `micro_batch_size` sequences (the last may be shorter); the
     ranks must hold as many chunks (verl's dispatch gives them equal batches), else all raise.
     Dynamic: k = ceil(tokens / max_token_len), raised to the largest k over the data-parallel
@@ -269,32 +294,10 @@ def select_micro_batch(data: TensorDict, indices: list[int]) -> TensorDict:
     return tu.index_select_tensor_dict(data, indices)
 
 
-def merge_outputs(outputs: list[dict], micro_batch_indices: list[list[int]]) -> dict:
-    """Per-micro-batch {"model_output", "loss", "metrics"} -> verl's forward_backward_batch result.
-
-    model_output tensors are nested [N, j]; they come back in the batch's original sequence
-    order. "loss" is the list of per-micro-batch floats; "metrics" maps each key to the list of
-    per-micro-batch values (verl `Metric`s aggregate themselves).
-    """
-    order = [i for indices in micro_batch_indices for i in indices]
-    model_output: dict[str, torch.Tensor] = {}
-    keys = outputs[0].get("model_output", {}).keys()
-    for key in keys:
-        rows = [row for out in outputs for row in out["model_output"][key].unbind()]
-        restored: list[torch.Tensor | None] = [None] * len(order)
-        for position, original in enumerate(order):
-            restored[original] = rows[position]
-        model_output[key] = torch.nested.as_nested_tensor(restored, layout=torch.jagged)
-    metrics: dict = {}
-    for out in outputs:
-        append_to_dict(metrics, out["metrics"])
-    return {"model_output": model_output, "loss": [out["loss"] for out in outputs], "metrics": metrics}
-
-
 def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, int]:
     """This rank's T/sp tokens of a packed row, padded to a multiple of sp, and the pad size.
 
-    input_ids, position_ids (along the token dim), labels, temperature are sliced; cu_seqlens stays
+    input_ids, position_ids (along the token dim), labels, inv_temperature are sliced; cu_seqlens stays
     global (the sequence ops run on whole sequences after `seq_to_heads`) with the pad as one more
     sequence. Images and videos stay whole on every rank: the model runs the tower on all of them and
     keeps the features of this rank's placeholders (`MoeVisionLM`).
@@ -302,22 +305,29 @@ def slice_packed(packed: PackedBatch, sp: UlyssesGroup) -> tuple[PackedBatch, in
     total = packed.num_tokens
     pad, local = sequence_shard(total, sp)
     ids, pos = packed.input_ids, packed.position_ids
-    labels, temperature, cu = packed.labels, packed.temperature, packed.cu_seqlens
+    labels, inv_temperature, cu, cu_cpu = (
+        packed.labels,
+        packed.inv_temperature,
+        packed.cu_seqlens,
+        packed.cu_seqlens_cpu,
+    )
     if pad:
         ids = torch.nn.functional.pad(ids, (0, pad))
         tail = torch.arange(pad, dtype=pos.dtype, device=pos.device).expand(*pos.shape[:-1], pad)
         pos = torch.cat([pos, tail], dim=-1)
         labels = torch.nn.functional.pad(labels, (0, pad))
-        temperature = torch.nn.functional.pad(temperature, (0, pad), value=1.0)
+        inv_temperature = torch.nn.functional.pad(inv_temperature, (0, pad), value=1.0)
         cu = torch.cat([cu, cu.new_tensor([total + pad])])
+        cu_cpu = None if cu_cpu is None else (*cu_cpu, total + pad)
     return (
         replace(
             packed,
             input_ids=ids[:, local],
             position_ids=pos[..., local],
             labels=labels[local],
-            temperature=temperature[local],
+            inv_temperature=inv_temperature[local],
             cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
         ),
         pad,
     )

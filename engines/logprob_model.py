@@ -6,12 +6,11 @@ Alphabet: T packed tokens, D hidden, VOCAB vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from verl_moe.engines.batch import PackedBatch, slice_packed
 from verl_moe.models.process_groups import UlyssesGroup
+from verl_moe.ops.logprob import LogprobHead
 
 
 class LogProbModel(nn.Module):
@@ -19,17 +18,18 @@ class LogProbModel(nn.Module):
     final norm, lm_head) is unsharded for the head call and its gradients reduce-scatter normally.
 
     forward(packed) -> (log_probs [T] fp32, entropy [T] fp32 or None). The head never builds the
-    [T, VOCAB] logits; temperature scales the logits out of place inside the op. It reads
+    [T, VOCAB] logits; the head (`ops.logprob.logprob_head`, its kernel resolved once) scales the
+    logits by the packed batch's inverse temperature out of place inside the op. It reads
     `lm_head.weight`, which with tied word embeddings is the embedding's (one root-unit parameter,
     `models/fsdp_plan.py`), so its gradient adds to the embedding lookup's. A vision-language
     model (`MoeVisionLM`) also gets the micro-batch's pixels and grids (`packed.media`); a text model
     given media raises ValueError.
     """
 
-    def __init__(self, model: nn.Module, logprob_fn: Callable):
+    def __init__(self, model: nn.Module, head: LogprobHead):
         super().__init__()
         self.model = model
-        self.logprob_fn = logprob_fn
+        self.head = head
 
     def forward(
         self, packed: PackedBatch, calculate_entropy: bool, entropy_grad: bool
@@ -37,14 +37,18 @@ class LogProbModel(nn.Module):
         if packed.media and not hasattr(self.model.model, "visual"):
             raise ValueError(f"a text checkpoint got multimodal inputs {sorted(packed.media)}")
         out = self.model(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, **packed.media
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            cu_seqlens=packed.cu_seqlens,
+            cu_seqlens_cpu=packed.cu_seqlens_cpu,
+            **packed.media,
         )
         hidden = out.last_hidden_state[0]
-        return self.logprob_fn(
+        return self.head(
             hidden,
             self.model.lm_head.weight,
             packed.labels,
-            packed.temperature,
+            packed.inv_temperature,
             calculate_entropy=calculate_entropy,
             entropy_grad=entropy_grad,
         )

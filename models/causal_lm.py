@@ -17,7 +17,7 @@ from torch import nn
 
 from ..ops import resolve
 from ..ops.rope import rope_cos_sin, rope_inv_freq
-from ..ops.varlen import check_cu_seqlens
+from ..ops.varlen import HostOffsets, check_cu_seqlens
 from .arch import ArchConfig
 from .layers import Attention, DenseMLP, Experts, MoeBlock, ResolvedOps, RMSNorm
 from .ops_config import OpsConfig
@@ -66,6 +66,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
+        cu_seqlens_cpu: HostOffsets | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The residual stream is carried as (branch output, running sum before it), so each residual
         add is fused into the norm that follows it: the layer's input is residual + hidden (just
@@ -77,9 +78,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(hidden, residual=residual)
         if self.layer_type == "linear_attention":
-            x = self.linear_attn(x, cu_seqlens)
+            x = self.linear_attn(x, cu_seqlens, cu_seqlens_cpu)
         else:
-            x = self.self_attn(x, cos, sin, cu_seqlens)
+            x = self.self_attn(x, cos, sin, cu_seqlens, cu_seqlens_cpu)
         x, residual = self.post_attention_layernorm(x, residual=residual)
         x, router_logits = self.mlp(x)
         return x, residual, router_logits
@@ -112,6 +113,7 @@ class MoeTextModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         output_router_logits: bool = False,
         inputs_embeds: torch.Tensor | None = None,
+        cu_seqlens_cpu: HostOffsets | None = None,
     ) -> MoeModelOutput:
         # inputs_embeds [B, T, D]: the embeddings to use instead of embed_tokens(input_ids) (the
         # vision-language model's, with image features at the placeholders)
@@ -120,7 +122,7 @@ class MoeTextModel(nn.Module):
         cos, sin = self.rotary(position_ids, hidden.dtype)
         router_logits = []
         for layer in self.layers:
-            hidden, residual, logits = layer(hidden, residual, cos, sin, cu_seqlens)
+            hidden, residual, logits = layer(hidden, residual, cos, sin, cu_seqlens, cu_seqlens_cpu)
             if output_router_logits and logits is not None:
                 router_logits.append(logits)
         final = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
@@ -131,9 +133,10 @@ class MoeCausalLM(nn.Module):
     """Qwen3.5-MoE / Qwen3-MoE causal LM on verl_moe ops.
 
     forward(input_ids [B, T] long, position_ids [B, T] or [3, B, T] (mRoPE models) long,
-    cu_seqlens [N+1] int or None, output_router_logits=False) -> MoeModelOutput. Packed input is
-    B == 1 with cu_seqlens (position ids restart per sequence); without cu_seqlens each row is
-    one sequence. Logits are computed only on request: `model.logits(hidden)`.
+    cu_seqlens [N+1] int or None, output_router_logits=False, cu_seqlens_cpu=None) -> MoeModelOutput.
+    Packed input is B == 1 with cu_seqlens (position ids restart per sequence); without cu_seqlens
+    each row is one sequence. `cu_seqlens_cpu`, the same offsets as host ints (`ops/varlen.py`), spares
+    the ops every read of cu_seqlens back from the device. Logits are computed only on request: `model.logits(hidden)`.
     """
 
     def __init__(self, hf_config, spec: ModelSpec, arch: ArchConfig, ops: ResolvedOps, factory: dict):
@@ -175,15 +178,16 @@ class MoeCausalLM(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        cu_seqlens_cpu: HostOffsets | None = None,
     ) -> MoeModelOutput:
-        self.check_inputs(input_ids, position_ids, cu_seqlens)
-        return self.model(input_ids, position_ids, cu_seqlens, output_router_logits)
+        self.check_inputs(input_ids, position_ids, cu_seqlens, cu_seqlens_cpu)
+        return self.model(input_ids, position_ids, cu_seqlens, output_router_logits, cu_seqlens_cpu=cu_seqlens_cpu)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> logits [..., VOCAB] in the model dtype."""
         return self.lm_head(hidden)
 
-    def check_inputs(self, input_ids, position_ids, cu_seqlens) -> None:
+    def check_inputs(self, input_ids, position_ids, cu_seqlens, cu_seqlens_cpu=None) -> None:
         """Raise ValueError on inputs the forward cannot take, before any compute."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] int, got {tuple(input_ids.shape)} {input_ids.dtype}")
@@ -199,7 +203,9 @@ class MoeCausalLM(nn.Module):
             if B != 1:
                 raise ValueError(f"packed input (cu_seqlens) needs B == 1, got B={B}")
             # under sequence parallelism cu_seqlens describes the whole row, of which T is one share
-            check_cu_seqlens(cu_seqlens, T * (self.sequence_parallel.size if self.sequence_parallel else 1))
+            check_cu_seqlens(
+                cu_seqlens, T * (self.sequence_parallel.size if self.sequence_parallel else 1), cu_seqlens_cpu
+            )
         elif self.sequence_parallel is not None:
             raise ValueError("sequence-parallel forward needs packed input (cu_seqlens)")
 

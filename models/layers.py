@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.varlen import HostOffsets
 from .arch import ArchConfig
 
 if TYPE_CHECKING:
@@ -86,10 +87,16 @@ class Attention(nn.Module):
         self.sequence_parallel: UlyssesGroup | None = None  # set by MoeCausalLM.set_sequence_parallel
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        cu_seqlens_cpu: HostOffsets | None = None,
     ) -> torch.Tensor:
-        """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; returns [B, T, D]. Under sequence parallelism
-        T is this rank's share of the packed row and cu_seqlens describes the whole row."""
+        """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; cu_seqlens_cpu: cu_seqlens as host ints or None;
+        returns [B, T, D]. Under sequence parallelism T is this rank's share of the packed row and
+        cu_seqlens describes the whole row."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, -1)
         if self.output_gate:
@@ -102,7 +109,7 @@ class Attention(nn.Module):
         if sp is not None:
             # attention needs whole sequences: trade tokens for heads (the gate stays per token)
             q, k, v = sp.seq_to_heads_many(q, sp.expand_kv_heads(k), sp.expand_kv_heads(v))
-        o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens)
+        o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if sp is not None:
             o = sp.heads_to_seq(o)
         o = o.reshape(B, T, -1)

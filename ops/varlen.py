@@ -1,82 +1,85 @@
-"""Packed-sequence (varlen) helpers shared by every sequence op."""
+"""Packed-sequence (varlen) helpers shared by every sequence op.
+
+A packed row's offsets `cu_seqlens` [N+1] live where the kernels read them (the device); the ops
+also need them on the host (validation, per-sequence loops, chunk plans, flash attention's longest
+sequence). Reading a device tensor back waits for all queued device work, so a caller that has the
+offsets on the host passes that copy too, as `cu_seqlens_cpu` (fla's name; `HostOffsets`): the
+engines' packed batch carries both (`engines/batch.py::PackedBatch`). Without it an op reads `cu_seqlens` itself,
+once per call.
+"""
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Sequence
 
 import torch
 
-from .common.runtime import HOST_OFFSETS, HOST_OFFSETS_LIMIT
+# The host copy of a packed row's offsets: ints (what the engines' packed batch carries: a tuple is no
+# tensor, so FSDP's input moves and activation offload leave it on the host) or a CPU tensor (fla's type).
+HostOffsets = Sequence[int] | torch.Tensor
 
 
-def _read_is_costly(cu_seqlens: torch.Tensor) -> bool:
-    """A device tensor's read is a device-to-host copy that waits for all queued device work; a CPU
-    tensor's is a plain list conversion."""
-    return cu_seqlens.device.type != "cpu"
-
-
-def host_values(cu_seqlens: torch.Tensor) -> list[int]:
-    """`cu_seqlens.tolist()`: always the tensor's current content.
-
-    CPU offsets are read on every call: their memory can change without torch seeing it (a numpy
-    array behind `torch.from_numpy` rewritten in place keeps the version counter). Device offsets
-    are read once per tensor object, version and storage: one packed batch's offsets reach every
-    layer's ops and the model's own check, and each read waits for all queued device work. On a
-    device only torch ops write (each bumps the version); a write that bypasses the version
-    counter (through `.data`, or a kernel handed the raw pointer) is not seen. The cache is
-    `ops/common/runtime.py`'s `HOST_OFFSETS`."""
-    if not _read_is_costly(cu_seqlens) or cu_seqlens.is_inference():  # inference: no version counter
+def host_values(cu_seqlens: torch.Tensor, cu_seqlens_cpu: HostOffsets | None = None) -> list[int]:
+    """The offsets as host ints: from `cu_seqlens_cpu` (the host copy of the same offsets: the
+    caller's promise, only its length is checked) when given, else read from `cu_seqlens`."""
+    if cu_seqlens_cpu is None:
         return cu_seqlens.tolist()
-    stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
-    seen = HOST_OFFSETS.get(id(cu_seqlens))
-    if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
-        return seen[2]
-    values = cu_seqlens.tolist()
-    _remember(cu_seqlens, stamp, values)
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be on the host, got a tensor on {cu_seqlens_cpu.device}")
+        values = cu_seqlens_cpu.tolist()
+    else:
+        values = list(cu_seqlens_cpu)
+    if len(values) != cu_seqlens.numel():
+        raise ValueError(
+            f"cu_seqlens_cpu must be a host copy of cu_seqlens [{cu_seqlens.numel()}], got {len(values)} offsets"
+        )
     return values
 
 
-def _remember(cu_seqlens: torch.Tensor, stamp: tuple[int, int], values: list[int]) -> None:
-    if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
-        for key in [key for key, entry in HOST_OFFSETS.items() if entry[0]() is None]:
-            del HOST_OFFSETS[key]  # offsets of batches (or tiles) already freed
-        if len(HOST_OFFSETS) >= HOST_OFFSETS_LIMIT:
-            HOST_OFFSETS.clear()
-    HOST_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, values)
+def host_offsets(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: HostOffsets | None) -> HostOffsets | None:
+    """The host copy of `cu_seqlens`: `cu_seqlens_cpu` when given, else the device tensor read once
+    (as a tuple), so an op that needs the values more than once waits for the device at most once."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens_cpu is not None:
+        return cu_seqlens_cpu  # no offsets, or not a tensor (the op's check names the problem)
+    return tuple(cu_seqlens.tolist())
 
 
 def offsets_tensor(values, device: torch.device) -> torch.Tensor:
-    """int32 offsets `values` (host ints) on `device`, copied without waiting for queued device work, and
-    known to `host_values` (no device read later)."""
+    """int32 offsets `values` (host ints) on `device`, copied without waiting for queued device work."""
     host = torch.tensor(list(values), dtype=torch.int32)
     if torch.device(device).type == "cpu":
         return host
-    offsets = host.pin_memory().to(device, non_blocking=True)
-    _remember(offsets, (offsets._version, offsets.data_ptr()), list(values))
-    return offsets
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, total_tokens: int, cu_seqlens_cpu: HostOffsets | None = None
+) -> list[int]:
     """Raise ValueError unless `cu_seqlens` is a 1-D int32/int64 tensor [N+1], starting at 0,
-    non-decreasing, and ending at `total_tokens`."""
+    non-decreasing, and ending at `total_tokens`; its values are read from `cu_seqlens_cpu` when
+    given (`host_values`). Returns them, as host ints."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    values = host_values(cu_seqlens)
+    values = host_values(cu_seqlens, cu_seqlens_cpu)
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values[:-1], values[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
     if values[-1] != total_tokens:
         raise ValueError(f"cu_seqlens ends at {values[-1]} but the packed input has {total_tokens} tokens")
+    return values
 
 
-def seq_bounds(cu_seqlens: torch.Tensor | None, total_tokens: int) -> list[tuple[int, int]]:
+def seq_bounds(
+    cu_seqlens: torch.Tensor | None, total_tokens: int, cu_seqlens_cpu: HostOffsets | None = None
+) -> list[tuple[int, int]]:
     """[(start, end), ...] per sequence; one sequence covering everything when cu_seqlens is None."""
     if cu_seqlens is None:
         return [(0, total_tokens)]
-    values = host_values(cu_seqlens)
+    values = host_values(cu_seqlens, cu_seqlens_cpu)
     return list(zip(values[:-1], values[1:]))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ...ops.varlen import host_values, offsets_tensor
+from ...ops.varlen import HostOffsets, host_values, offsets_tensor
 from ..arch import ArchConfig
 from ..layers import ResolvedOps, RMSNorm
 
@@ -109,9 +109,12 @@ class GatedDeltaNet(nn.Module):
         nn.init.ones_(self.dt_bias)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log_())
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """x: [B, T, D] (B == 1 with cu_seqlens [N+1]); returns [B, T, D]. Under sequence
-        parallelism T is this rank's share of the packed row and cu_seqlens describes the whole row.
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: HostOffsets | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, D] (B == 1 with cu_seqlens [N+1]; cu_seqlens_cpu: the same as host ints, or None);
+        returns [B, T, D]. Under sequence parallelism T is this rank's share of the packed row and
+        cu_seqlens describes the whole row.
 
         With `checkpoint_tile_tokens` > 0 (set by `models/fsdp_plan.checkpoint_in_tiles`) the mixer is
         its own activation-checkpoint unit, and a packed row longer than a tile runs as consecutive
@@ -120,10 +123,11 @@ class GatedDeltaNet(nn.Module):
         sequences) and for a batch of rows."""
         tile = self.checkpoint_tile_tokens
         if not tile or not torch.is_grad_enabled():  # nothing is saved without grad
-            return self._mix(x, cu_seqlens, cu_seqlens)[0]
+            return self._mix(x, (cu_seqlens, cu_seqlens_cpu), (cu_seqlens, cu_seqlens_cpu))[0]
         if self.sequence_parallel is not None or x.shape[0] != 1 or x.shape[1] <= tile:
-            return checkpoint(self._mix, x, cu_seqlens, cu_seqlens, use_reentrant=False)[0]
-        bounds = [0, x.shape[1]] if cu_seqlens is None else host_values(cu_seqlens)
+            offsets = (cu_seqlens, cu_seqlens_cpu)
+            return checkpoint(self._mix, x, offsets, offsets, use_reentrant=False)[0]
+        bounds = [0, x.shape[1]] if cu_seqlens is None else host_values(cu_seqlens, cu_seqlens_cpu)
         outputs, carry = [], None
         for start in range(0, x.shape[1], tile):
             span = tile_span(bounds, start, min(start + tile, x.shape[1]), self.conv1d.kernel_size[0] - 1)
@@ -137,21 +141,23 @@ class GatedDeltaNet(nn.Module):
         when a sequence starts at the tile); returns (output, the state running out of it or None). The
         tile's offsets are made here from host ints, also in the recompute: a tensor input would be
         saved (offloaded) and come back as a tensor whose values the ops read from the device."""
-        conv_cu = gdn_cu = None
+        conv, gdn = (None, None), (None, None)
         if packed:
-            conv_cu, gdn_cu = (offsets_tensor(o, x_span.device) for o in (span.conv_cu, span.gdn_cu))
+            conv, gdn = ((offsets_tensor(o, x_span.device), o) for o in (span.conv_cu, span.gdn_cu))
         initial = None
         if span.continues:
             initial = carry[None]
             if span.sequences > 1:  # the tile's other sequences start from zero
                 initial = torch.cat([initial, initial.new_zeros(span.sequences - 1, *carry.shape)])
-        y, final = self._mix(x_span, conv_cu, gdn_cu, span.prefix, initial, span.carries_on)
+        y, final = self._mix(x_span, conv, gdn, span.prefix, initial, span.carries_on)
         return y, final[-1] if span.carries_on else None
 
-    def _mix(self, x, conv_cu, gdn_cu, prefix: int = 0, initial_state=None, final_state: bool = False):
+    def _mix(self, x, conv_offsets, gdn_offsets, prefix: int = 0, initial_state=None, final_state: bool = False):
         """The mixer on x [B, P + T, D], whose first `prefix` (P) tokens only feed the conv (the previous
-        tile's last inputs): conv_cu describes all P + T tokens, gdn_cu the T tokens. Returns (output
-        [B, T, D], the recurrence's final state per sequence or None)."""
+        tile's last inputs): conv_offsets (cu_seqlens, its host ints or None) describe all P + T tokens,
+        gdn_offsets the T tokens. Returns (output [B, T, D], the recurrence's final state per sequence
+        or None)."""
+        (conv_cu, conv_cu_cpu), (gdn_cu, gdn_cu_cpu) = conv_offsets, gdn_offsets
         mixed_qkv = self.in_proj_qkv(x)  # [B, P + T, C]: q | k | v channels
         x = x[:, prefix:]
         B, T, _ = x.shape
@@ -164,7 +170,9 @@ class GatedDeltaNet(nn.Module):
             conv_weight, A_log, dt_bias = self._local_head_params()
         T_row, HV = z.shape[1:3]  # under SP: the whole packed row, this rank's value heads
         H = HV * self.num_k_heads // self.num_v_heads
-        qkv = self.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=conv_cu)[:, prefix:]
+        qkv = self.ops.conv1d(
+            mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=conv_cu, cu_seqlens_cpu=conv_cu_cpu
+        )[:, prefix:]
         q, k, v = qkv.split([H * self.head_k_dim, H * self.head_k_dim, HV * self.head_v_dim], dim=-1)
         q = q.reshape(B, T_row, H, self.head_k_dim)
         k = k.reshape(B, T_row, H, self.head_k_dim)
@@ -185,6 +193,7 @@ class GatedDeltaNet(nn.Module):
             output_final_state=final_state,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=gdn_cu,
+            cu_seqlens_cpu=gdn_cu_cpu,
         )
         o = self.norm(o, gate=z)
         if self.sequence_parallel is not None:

@@ -104,8 +104,7 @@ def mrope_position_ids(
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"packed input (cu_seqlens) needs B == 1, got B={B}")
-        check_cu_seqlens(cu_seqlens, T)
-        offsets = cu_seqlens.tolist()
+        offsets = check_cu_seqlens(cu_seqlens, T)
         spans = [(0, slice(s, e)) for s, e in zip(offsets[:-1], offsets[1:])]
     else:
         mask = None if attention_mask is None else attention_mask.detach().cpu().bool()

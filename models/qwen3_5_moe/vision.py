@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.rope import rope_inv_freq
+from ...ops.varlen import offsets_tensor
 from ..layers import ResolvedOps
 
 # transformers' ACT2FN names for the ViT MLP -> F.gelu's `approximate`
@@ -139,10 +140,12 @@ def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, vision: Visio
     return grid
 
 
-def frame_cu_seqlens(grid: list[list[int]], device) -> torch.Tensor:
-    """[frames + 1] int32 offsets: each frame (h * w patches) is one attention sequence."""
-    lengths = [h * w for t, h, w in grid for _ in range(t)]
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+def frame_offsets(grid: list[list[int]]) -> tuple[int, ...]:
+    """[frames + 1] offsets as host ints: each frame (h * w patches) is one attention sequence."""
+    offsets = [0]
+    for t, h, w in grid:
+        offsets += [offsets[-1] + (i + 1) * h * w for i in range(t)]
+    return tuple(offsets)
 
 
 def patch_positions(grid: list[list[int]], merge: int, device) -> torch.Tensor:
@@ -217,12 +220,17 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(D, D, bias=True, **factory)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """x: [P, DV]; cos/sin: [1, P, K]; cu_seqlens: [frames + 1]. Returns [P, DV]."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, frames: tuple[int, ...]
+    ) -> torch.Tensor:
+        """x: [P, DV]; cos/sin: [1, P, K]; cu_seqlens: [frames + 1], `frames` the same as host ints.
+        Returns [P, DV]."""
         P = x.shape[0]
         q, k, v = self.qkv(x).view(1, P, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.ops.rope(q, k, cos, sin)
-        o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens, causal=False)
+        o = self.ops.attention(
+            q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens, causal=False, cu_seqlens_cpu=frames
+        )
         return self.proj(o.reshape(P, -1))
 
 
@@ -250,8 +258,10 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vision, ops, factory)
         self.mlp = VisionMLP(D, vision.intermediate_size, D, VISION_ACTS[vision.hidden_act], factory)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, frames: tuple[int, ...]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, frames)
         return x + self.mlp(self.norm2(x))
 
 
@@ -307,7 +317,8 @@ class VisionModel(nn.Module):
         index, weight = bilinear_position_weights(grid, v.grid_side, v.spatial_merge_size, cd, device)
         x = x + (self.pos_embed(index) * weight[..., None]).sum(0).to(dtype)
         cos, sin = self.rotary(grid, dtype, device)
-        cu_seqlens = frame_cu_seqlens(grid, device)
+        frames = frame_offsets(grid)
+        cu_seqlens = offsets_tensor(frames, device)
         for block in self.blocks:
-            x = block(x, cos, sin, cu_seqlens)
+            x = block(x, cos, sin, cu_seqlens, frames)
         return self.merger(x)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.varlen import HostOffsets
 from ..arch import ArchConfig
 from ..causal_lm import MoeCausalLM, MoeModelOutput, MoeTextModel, init_modules, resolve_ops, zero_padding_embedding
 from ..layers import ResolvedOps
@@ -38,8 +39,8 @@ class MoeVisionLM(nn.Module):
     forward(input_ids [B, T] long, position_ids [B, T], [3, B, T] (see `rope_index`) or [4, B, T] (a
     text row, then the three mRoPE rows: verl's layout; the text row is dropped, as transformers does) long,
     cu_seqlens [N+1] int or None, pixel_values [P, C*TP*PS*PS] float or None, image_grid_thw [N_img, 3]
-    int or None, pixel_values_videos / video_grid_thw the same for videos, output_router_logits=False)
-    -> MoeModelOutput (final hidden states [B, T, D] after the norm, as `MoeCausalLM`). The images of
+    int or None, pixel_values_videos / video_grid_thw the same for videos, output_router_logits=False,
+    cu_seqlens_cpu=None: cu_seqlens as host ints, as `MoeCausalLM`) -> MoeModelOutput (final hidden states [B, T, D] after the norm, as `MoeCausalLM`). The images of
     the whole batch (rows in order, or the packed sequences of one row in order) arrive together;
     their features replace the image placeholder tokens in reading order. Logits only on request:
     `model.logits(hidden)`.
@@ -80,6 +81,7 @@ class MoeVisionLM(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        cu_seqlens_cpu: HostOffsets | None = None,
     ) -> MoeModelOutput:
         """See the class docstring. Raises ValueError on bad inputs (see `check_inputs`), a grid that
         does not match its pixel patches, or placeholder tokens that do not match the features (both
@@ -88,7 +90,7 @@ class MoeVisionLM(nn.Module):
         own placeholders."""
         if position_ids.dim() == 3 and position_ids.shape[0] == 4:
             position_ids = position_ids[1:]
-        self.check_inputs(input_ids, position_ids, cu_seqlens)
+        self.check_inputs(input_ids, position_ids, cu_seqlens, cu_seqlens_cpu)
         lm = self.model.language_model
         v = self.vision
         media = (
@@ -96,7 +98,14 @@ class MoeVisionLM(nn.Module):
             ("video", pixel_values_videos, video_grid_thw, v.video_token_id),
         )
         embeds = self._place_media(lm.embed_tokens(input_ids), input_ids, media)
-        return lm(input_ids, position_ids, cu_seqlens, output_router_logits, inputs_embeds=embeds)
+        return lm(
+            input_ids,
+            position_ids,
+            cu_seqlens,
+            output_router_logits,
+            inputs_embeds=embeds,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
 
     def _place_media(self, embeds: torch.Tensor, input_ids: torch.Tensor, media: tuple) -> torch.Tensor:
         """embeds [B, T, D] with the tower's features at each modality's placeholders. One tower pass

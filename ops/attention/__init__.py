@@ -19,10 +19,14 @@ IMPLS = {
 ACCELERATOR_DEFAULT = "varlen" if device.device_type() == "cuda" else "torch"
 
 
-def causal_attention(q, k, v, scale=None, cu_seqlens=None, causal: bool = True, impl: str | None = None):
+def causal_attention(
+    q, k, v, scale=None, cu_seqlens=None, causal: bool = True, cu_seqlens_cpu=None, impl: str | None = None
+):
     """Causal attention (bidirectional within each sequence with causal=False) through the
     implementation `resolve("attention", impl)` picks; arguments and returns as `causal_attention_ref`."""
-    return resolve("attention", impl)(q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal)
+    return resolve("attention", impl)(
+        q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal, cu_seqlens_cpu=cu_seqlens_cpu
+    )
 
 
 __all__ = ["ACCELERATOR_DEFAULT", "IMPLS", "causal_attention", "causal_attention_ref"]

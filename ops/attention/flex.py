@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from ..varlen import HostOffsets
 from .reference import check_attention_inputs
 
 # (id(cu_seqlens), T, device) -> (weak reference, version, block mask) of the last few packed batches
@@ -74,6 +75,7 @@ def causal_attention_flex(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     causal: bool = True,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention through FlexAttention (`causal_attention_ref`'s contract).
 
@@ -82,12 +84,14 @@ def causal_attention_flex(
         scale: softmax scale, default K ** -0.5.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1).
         causal: False: every token of a sequence sees the whole sequence.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         o: [B, T, H, V] in q's dtype.
     Raises:
         ValueError: bad shapes/dtypes/cu_seqlens, or inputs that need a gradient on CPU.
     """
-    check_attention_inputs(q, k, v, cu_seqlens)
+    check_attention_inputs(q, k, v, cu_seqlens, cu_seqlens_cpu)
     T, H = q.shape[1], q.shape[2]
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens, seq_bounds
+from ..varlen import HostOffsets, check_cu_seqlens, seq_bounds
 
 
-def check_attention_inputs(q, k, v, cu_seqlens) -> None:
+def check_attention_inputs(q, k, v, cu_seqlens, cu_seqlens_cpu=None) -> None:
     """Raise ValueError for shapes, dtypes or cu_seqlens the op cannot take."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -33,7 +33,7 @@ def check_attention_inputs(q, k, v, cu_seqlens) -> None:
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={B}")
-        check_cu_seqlens(cu_seqlens, T)
+        check_cu_seqlens(cu_seqlens, T, cu_seqlens_cpu)
 
 
 def causal_attention_ref(
@@ -43,6 +43,7 @@ def causal_attention_ref(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     causal: bool = True,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention (the dispatched `attention` op).
 
@@ -52,12 +53,14 @@ def causal_attention_ref(
         scale: softmax scale, default K ** -0.5.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1).
         causal: False: every token of a sequence sees the whole sequence.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         o: [B, T, H, V] in q's dtype.
     Raises:
         ValueError: bad shapes, mixed dtypes, or bad cu_seqlens.
     """
-    check_attention_inputs(q, k, v, cu_seqlens)
+    check_attention_inputs(q, k, v, cu_seqlens, cu_seqlens_cpu)
     B, T, H, _ = q.shape
     group = H // k.shape[2]
     # [B, heads, T, *] for SDPA; repeat k/v heads explicitly (enable_gqa is not on every backend).
@@ -65,7 +68,7 @@ def causal_attention_ref(
     kh = k.repeat_interleave(group, dim=2).transpose(1, 2)
     vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
     out = []
-    for s, e in seq_bounds(cu_seqlens, T):
+    for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
         out.append(
             F.scaled_dot_product_attention(qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=causal, scale=scale)
         )

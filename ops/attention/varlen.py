@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..varlen import host_values, seq_bounds
+from ..varlen import HostOffsets, host_offsets, host_values, seq_bounds
 from .reference import check_attention_inputs
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -85,7 +85,9 @@ class FlashVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def per_sequence_sdpa(q, k, v, scale: float, cu_seqlens: torch.Tensor | None, causal: bool) -> torch.Tensor:
+def per_sequence_sdpa(
+    q, k, v, scale: float, cu_seqlens: torch.Tensor | None, causal: bool, cu_seqlens_cpu: HostOffsets | None = None
+) -> torch.Tensor:
     """q [B, T, H, K], k / v [B, T, HKV, K] -> o [B, T, H, K]: one SDPA call per packed sequence
     (per batch of rows without cu_seqlens), the key/value heads shared by their query groups in the
     kernel (enable_gqa) rather than repeated. The long-sequence path of `causal_attention_varlen`."""
@@ -95,7 +97,7 @@ def per_sequence_sdpa(q, k, v, scale: float, cu_seqlens: torch.Tensor | None, ca
             F.scaled_dot_product_attention(
                 qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=causal, scale=scale, enable_gqa=True
             )
-            for s, e in seq_bounds(cu_seqlens, q.shape[1])
+            for s, e in seq_bounds(cu_seqlens, q.shape[1], cu_seqlens_cpu)
             if e > s
         ]
     # one sequence: no concatenation copy (SDPA's output is laid out as q, so o is contiguous again)
@@ -125,9 +127,9 @@ def _npu_varlen(q, k, v, ends: list[int], scale: float) -> torch.Tensor:
     )[0]
 
 
-def _packed_offsets(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
+def _packed_offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, cu_seqlens_cpu: HostOffsets | None) -> list[int]:
     """Host offsets of the packed sequences; a [B, T] batch packs as B sequences of T."""
-    return list(range(0, B * T + 1, T)) if cu_seqlens is None else host_values(cu_seqlens)
+    return list(range(0, B * T + 1, T)) if cu_seqlens is None else host_values(cu_seqlens, cu_seqlens_cpu)
 
 
 def causal_attention_varlen(
@@ -137,6 +139,7 @@ def causal_attention_varlen(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     causal: bool = True,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention, every packed sequence in one kernel call (`causal_attention_ref`'s contract).
 
@@ -148,13 +151,16 @@ def causal_attention_varlen(
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1); without it each
             batch row is one sequence.
         causal: False: every token of a sequence sees the whole sequence (cuda only).
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         o: [B, T, H, K] in q's dtype.
     Raises:
         ValueError: bad shapes/dtypes/cu_seqlens, a dtype or head dim flash attention does not take,
             a device other than cuda/npu, non-causal on npu, or a torch without flash attention.
     """
-    check_attention_inputs(q, k, v, cu_seqlens)
+    cu_seqlens_cpu = host_offsets(cu_seqlens, cu_seqlens_cpu)
+    check_attention_inputs(q, k, v, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     if v.shape[-1] != K:
         raise ValueError(f"varlen attention needs V == K, got V={v.shape[-1]}, K={K}")
@@ -174,14 +180,14 @@ def causal_attention_varlen(
     scale = K**-0.5 if scale is None else float(scale)
     if q.numel() == 0:
         return q.clone()  # empty, still attached to the graph
-    offsets = _packed_offsets(cu_seqlens, B, T)
+    offsets = _packed_offsets(cu_seqlens, B, T, cu_seqlens_cpu)
     q3, k3, v3 = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))
     q3, k3, v3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q3, k3, v3))
     if kind == "npu":
         return _npu_varlen(q3, k3, v3, offsets[1:], scale).reshape(B, T, H, K)
     max_len = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
     if offsets[-1] >= LONG_SEQUENCE * (len(offsets) - 1):
-        return per_sequence_sdpa(q, k, v, scale, cu_seqlens, causal)
+        return per_sequence_sdpa(q, k, v, scale, cu_seqlens, causal, cu_seqlens_cpu)
     if cu_seqlens is None:  # built on the device: a host tensor's copy would wait for queued work
         cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
     else:

@@ -16,11 +16,9 @@ Switches (read on every call, never at import):
   module is first imported (`triton.jit`), so it must be set before any kernel module is imported
   (tests/conftest.py does); changing it later does not switch kernels already imported.
 
-Caches (both bounded, both keyed so that a stale entry is never returned; `clear_caches` empties them):
+Cache (keyed so that a stale entry is never returned; `clear_caches` empties it):
 - `AUTOTUNE_PICKS`: (kernel, deterministic mode, key argument values, tensor dtypes) -> the config the
   autotuner picked (`launch.launch`): later launches skip the autotuner's per-call host bookkeeping.
-- `HOST_OFFSETS`: id(device cu_seqlens) -> (weak reference, (version, data_ptr), values): one packed
-  batch's offsets are read to the host once, not by every layer's ops (`ops/varlen.py`).
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ DETERMINISTIC_ENV = "VERL_MOE_DETERMINISTIC"
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 AUTOTUNE_PICKS: dict[tuple, dict] = {}
-HOST_OFFSETS: dict[int, tuple] = {}
-HOST_OFFSETS_LIMIT = 64  # entries; one per live packed batch is the common case
 
 
 def deterministic() -> bool:
@@ -54,6 +50,5 @@ def interpreting() -> bool:
 
 
 def clear_caches() -> None:
-    """Forget every autotune pick and host copy of offsets (the next launch autotunes again)."""
+    """Forget every autotune pick (the next launch autotunes again)."""
     AUTOTUNE_PICKS.clear()
-    HOST_OFFSETS.clear()

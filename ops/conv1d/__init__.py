@@ -12,10 +12,14 @@ IMPLS = {
 }
 
 
-def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, impl: str | None = None):
+def causal_conv1d(
+    x, weight, bias=None, activation="silu", cu_seqlens=None, cu_seqlens_cpu=None, impl: str | None = None
+):
     """Depthwise causal conv1d through the implementation `resolve("conv1d", impl)` picks; arguments
     and returns as `causal_conv1d_ref`."""
-    return resolve("conv1d", impl)(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
+    return resolve("conv1d", impl)(
+        x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
+    )
 
 
 __all__ = ["IMPLS", "causal_conv1d", "causal_conv1d_ref"]

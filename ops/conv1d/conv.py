@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
+from ..varlen import HostOffsets
 from .reference import check_conv1d_inputs
 
 # First configs: what the interpreter, fp32 inputs and deterministic mode run. Registers per thread
@@ -537,6 +538,7 @@ def causal_conv1d(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d with optional SiLU on our Triton kernels (forward and backward).
 
@@ -547,13 +549,15 @@ def causal_conv1d(
         activation: "silu" (alias "swish") or None.
         cu_seqlens: optional [N+1] int32/int64 offsets of packed sequences (needs B == 1); each
             sequence starts from zero left padding; empty sequences are allowed.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         [B, T, C] in x's dtype (math in fp32); gradients for x, weight and bias.
     Raises:
         ValueError: bad shapes, dtypes, activation or cu_seqlens, fp64 input (take the torch
             reference), or weight / bias on another device than x.
     """
-    check_conv1d_inputs(x, weight, bias, activation, cu_seqlens)
+    check_conv1d_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"the Triton conv1d takes bf16, fp16 or fp32 x, got {x.dtype} (use impl='torch')")
     params = [t for t in (weight, bias) if t is not None]

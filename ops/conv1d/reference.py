@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens, seq_bounds
+from ..varlen import HostOffsets, check_cu_seqlens, seq_bounds
 
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def check_conv1d_inputs(x, weight, bias, activation, cu_seqlens) -> None:
+def check_conv1d_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu=None) -> None:
     """Raise ValueError for shapes, dtypes, activation or cu_seqlens the op cannot take."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, C], got {tuple(x.shape)}")
@@ -30,7 +30,7 @@ def check_conv1d_inputs(x, weight, bias, activation, cu_seqlens) -> None:
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={x.shape[0]}")
-        check_cu_seqlens(cu_seqlens, x.shape[1])
+        check_cu_seqlens(cu_seqlens, x.shape[1], cu_seqlens_cpu)
 
 
 def causal_conv1d_ref(
@@ -39,6 +39,7 @@ def causal_conv1d_ref(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d with optional SiLU (the dispatched `conv1d` op).
 
@@ -49,12 +50,14 @@ def causal_conv1d_ref(
         activation: "silu" (alias "swish") or None.
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1); each sequence
             starts from zero left padding.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         [B, T, C] in x's dtype.
     Raises:
         ValueError: bad shapes, dtypes, activation or cu_seqlens.
     """
-    check_conv1d_inputs(x, weight, bias, activation, cu_seqlens)
+    check_conv1d_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     B, T, C = x.shape
     W = weight.shape[1]
@@ -66,7 +69,7 @@ def causal_conv1d_ref(
         out = x.to(cd) * w[:, 0, -1] + (0.0 if b is None else b)
         return (F.silu(out) if activation is not None else out).to(x.dtype)
     out = torch.empty(B, T, C, dtype=cd, device=x.device)
-    for s, e in seq_bounds(cu_seqlens, T):
+    for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
         if e == s:  # an empty packed sequence: nothing to compute (F.conv1d refuses a W-1 long input)
             continue
         seg = x[:, s:e].to(cd).transpose(1, 2)  # [B, C, T_seq]

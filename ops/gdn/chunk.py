@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..varlen import host_offsets, host_values
 from .l2norm import gdn_l2norm_fwd, gdn_qk_bwd
 from .launch import MAX_KV, ChunkPlan, make_plan
 from .output import gdn_output_bwd, gdn_output_bwd_dv, gdn_output_fwd
@@ -128,6 +129,7 @@ def chunk_gated_delta_rule(
     output_final_state=False,
     use_qk_l2norm_in_kernel=False,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
     *,
     a=None,
     A_log=None,
@@ -151,6 +153,8 @@ def chunk_gated_delta_rule(
         output_final_state: also return the fp32 state after each sequence's last token.
         use_qk_l2norm_in_kernel: l2-normalise q and k over K first (eps 1e-6).
         cu_seqlens: optional [N+1] int32/int64 offsets of packed sequences (B == 1), any lengths.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): no offsets are then read
+            back from the device; without it cu_seqlens is read once.
         a: keyword-only, [B, T, HV] gate input when g is None: g = -exp(A_log) * softplus(a + dt_bias).
         A_log: keyword-only, [HV] (gets a gradient). dt_bias: keyword-only, [HV] or None (gets a gradient).
     Returns:
@@ -162,7 +166,9 @@ def chunk_gated_delta_rule(
     if (g is None) == (a is None):
         raise ValueError("pass exactly one of g (log-decay) or a (with A_log, dt_bias) for the in-kernel gate")
     B, T = q.shape[:2] if q.dim() == 4 else (0, 0)
-    check_gdn_inputs(q, k, v, g if g is not None else a, beta, initial_state, cu_seqlens)
+    cu_seqlens_cpu = host_offsets(cu_seqlens, cu_seqlens_cpu)
+    check_gdn_inputs(q, k, v, g if g is not None else a, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
+    bounds = None if cu_seqlens is None else host_values(cu_seqlens, cu_seqlens_cpu)
     HV, K = v.shape[2], q.shape[3]
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q, k, v must be bf16, fp16 or fp32 for the Triton kernels, got {q.dtype}")
@@ -185,7 +191,7 @@ def chunk_gated_delta_rule(
         scale=K**-0.5 if scale is None else float(scale),
         output_final_state=bool(output_final_state),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        plan=make_plan(cu_seqlens, B, T, q.device),
+        plan=make_plan(bounds, B, T, q.device),
     )
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     g = None if g is None else g.contiguous()

@@ -6,6 +6,7 @@ re-exported here for the stage modules.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,6 @@ from ..common.launch import (  # noqa: F401  (re-exported for the stage modules 
     search_configs,
 )
 from ..common.launch import next_pow2 as _next_pow2
-from ..varlen import host_values
 
 BT = 64  # chunk length (tokens)
 BC = 16  # sub-block of the triangular solve (the smallest tl.dot tile)
@@ -70,13 +70,11 @@ class ChunkPlan:
         return args
 
 
-def make_plan(cu_seqlens: torch.Tensor | None, B: int, T: int, dev: torch.device) -> ChunkPlan:
-    """Chunk bookkeeping from validated offsets (their host copy, read once per tensor)."""
-    if cu_seqlens is not None:
-        bounds = host_values(cu_seqlens)
-    else:  # B rows of T tokens (T == 0: B empty sequences)
+def make_plan(bounds: Sequence[int] | None, B: int, T: int, dev: torch.device) -> ChunkPlan:
+    """Chunk bookkeeping from validated offsets as host ints (None: B rows of T tokens)."""
+    if bounds is None:  # B rows of T tokens (T == 0: B empty sequences)
         bounds = [b * T for b in range(B + 1)]
-    return _plan(tuple(bounds), dev)
+    return _plan(tuple(int(b) for b in bounds), dev)
 
 
 @functools.lru_cache(maxsize=64)

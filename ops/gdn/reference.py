@@ -22,7 +22,7 @@ from ..varlen import check_cu_seqlens, seq_bounds
 CHUNK_SIZE = 64
 
 
-def check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+def check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu=None) -> None:
     """Raise ValueError for shapes, dtypes or cu_seqlens that the gated delta rule cannot take."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -43,7 +43,7 @@ def check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={B}")
-        check_cu_seqlens(cu_seqlens, T)
+        check_cu_seqlens(cu_seqlens, T, cu_seqlens_cpu)
         num_seqs = cu_seqlens.numel() - 1
     if initial_state is not None:
         expected = (num_seqs, HV, q.shape[-1], v.shape[-1])
@@ -72,11 +72,22 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
 
 
 def _run_per_sequence(
-    step, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    step,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    cu_seqlens,
+    cu_seqlens_cpu,
 ):
     """Shared driver: validate, prepare, and call `step(q, k, v, g, beta, S0)` per sequence,
     where each tensor is [T_seq, HV, *] and S0 is [HV, K, V]; `step` returns (o, S)."""
-    check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
@@ -84,7 +95,7 @@ def _run_per_sequence(
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     o = torch.zeros_like(v)
     states = []
-    sequences = [(b, s, e) for b in range(B) for s, e in seq_bounds(cu_seqlens, T)]
+    sequences = [(b, s, e) for b in range(B) for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu)]
     for n, (b, s, e) in enumerate(sequences):
         if initial_state is not None:
             S0 = initial_state[n].to(v.dtype)
@@ -144,6 +155,7 @@ def recurrent_gated_delta_rule_ref(
     output_final_state=False,
     use_qk_l2norm_in_kernel=False,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
 ):
     """Token-by-token gated delta rule; the golden for every other implementation.
     Same arguments and returns as `chunk_gated_delta_rule`."""
@@ -159,6 +171,7 @@ def recurrent_gated_delta_rule_ref(
         output_final_state,
         use_qk_l2norm_in_kernel,
         cu_seqlens,
+        cu_seqlens_cpu,
     )
 
 
@@ -173,6 +186,7 @@ def chunk_gated_delta_rule_ref(
     output_final_state=False,
     use_qk_l2norm_in_kernel=False,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
 ):
     """Chunked (64 tokens) gated delta rule in plain PyTorch; equals the recurrent form.
 
@@ -187,6 +201,8 @@ def chunk_gated_delta_rule_ref(
         use_qk_l2norm_in_kernel: l2-normalise q and k over K first (eps 1e-6).
         cu_seqlens: optional [N+1] int offsets of packed sequences (needs B == 1); the state
             restarts at each sequence.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (`ops/varlen.py`): the op then reads no offsets back
+            from the device.
     Returns:
         o: [B, T, HV, V] in v's dtype; final_state: [N, HV, K, V] fp32 (fp64 for fp64 inputs) or None.
     Raises:
@@ -204,4 +220,5 @@ def chunk_gated_delta_rule_ref(
         output_final_state,
         use_qk_l2norm_in_kernel,
         cu_seqlens,
+        cu_seqlens_cpu,
     )

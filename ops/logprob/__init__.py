@@ -1,13 +1,16 @@
 """Memory-efficient LM head: per-token log p(label) and entropy without [N, VOCAB] fp32 logits.
 
 `logprobs_and_entropy` validates, normalises the temperature and dispatches (`ops.dispatch`) to
-the Triton path (`fused.py`) or the chunked torch path (`chunked.py`); `reference.py` holds the
-full-logits golden.
+the Triton path (`fused.py`) or the chunked torch path (`chunked.py`); `logprob_head` resolves the
+implementation once and takes the inverse temperature per token as given (the engines' head);
+`reference.py` holds the full-logits golden.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,8 +26,8 @@ IMPLS = {
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_inputs(hidden, weight, labels, temperature) -> torch.Tensor:
-    """Raise ValueError on bad inputs; return 1/T as an [N] tensor in the compute dtype."""
+def _check_tensors(hidden, weight, labels) -> None:
+    """Raise ValueError on shapes, dtypes or devices the head cannot take (no device read)."""
     if hidden.ndim != 2 or weight.ndim != 2 or labels.ndim != 1:
         raise ValueError(
             f"expected hidden [N, D], weight [VOCAB, D], labels [N]; got {tuple(hidden.shape)}, "
@@ -43,26 +46,41 @@ def _check_inputs(hidden, weight, labels, temperature) -> torch.Tensor:
         raise ValueError(f"labels must be int64, got {labels.dtype}")
     if not (hidden.device == weight.device == labels.device):
         raise ValueError(f"devices differ: {hidden.device}, {weight.device}, {labels.device}")
-    acc = compute_dtype(hidden.dtype)
-    if isinstance(temperature, torch.Tensor):
-        if temperature.ndim > 1 or (temperature.ndim == 1 and temperature.shape[0] != n):
-            raise ValueError(f"temperature must be a scalar or [N={n}], got {tuple(temperature.shape)}")
-        if not temperature.is_floating_point() or temperature.device != hidden.device:
-            raise ValueError(f"temperature must be a float tensor on {hidden.device}")
-        inv_t = (1.0 / temperature.to(acc)).expand(n).contiguous()
-        bad_t = ~((temperature > 0) & torch.isfinite(temperature)).all()
-    else:
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-        inv_t = torch.full((n,), 1.0 / temperature, dtype=acc, device=hidden.device)
-        bad_t = torch.zeros((), dtype=torch.bool, device=hidden.device)
-    bad_label = ((labels < 0) | (labels >= weight.shape[0])).any() if n else torch.zeros_like(bad_t)
-    flags = torch.stack([bad_t, bad_label]).tolist()  # one device sync for both checks
+
+
+def _check_values(bad_temperature: torch.Tensor, labels: torch.Tensor, vocab: int) -> None:
+    """Raise ValueError on a bad temperature flag or a label outside [0, VOCAB): one device read for both."""
+    bad_label = ((labels < 0) | (labels >= vocab)).any() if labels.numel() else torch.zeros_like(bad_temperature)
+    flags = torch.stack([bad_temperature, bad_label]).tolist()
     if flags[0]:
         raise ValueError("temperature must be finite and > 0 for every token")
     if flags[1]:
-        raise ValueError(f"labels must lie in [0, VOCAB={weight.shape[0]})")
-    return inv_t
+        raise ValueError(f"labels must lie in [0, VOCAB={vocab})")
+
+
+def _inverse_temperature(temperature, n: int, acc: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1/T as an [N] tensor in the compute dtype, a 0-dim flag of a non-finite or non-positive T on the
+    device); a bad python scalar raises ValueError at once."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.ndim > 1 or (temperature.ndim == 1 and temperature.shape[0] != n):
+            raise ValueError(f"temperature must be a scalar or [N={n}], got {tuple(temperature.shape)}")
+        if not temperature.is_floating_point() or temperature.device != device:
+            raise ValueError(f"temperature must be a float tensor on {device}")
+        inv_t = (1.0 / temperature.to(acc)).expand(n).contiguous()
+        return inv_t, ~((temperature > 0) & torch.isfinite(temperature)).all()
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    inv_t = torch.full((n,), 1.0 / temperature, dtype=acc, device=device)
+    return inv_t, torch.zeros((), dtype=torch.bool, device=device)
+
+
+def _run(fn: Callable, hidden, weight, labels, inv_t, calculate_entropy: bool, entropy_grad: bool, options):
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    call = LogprobCall(calculate_entropy, entropy_grad, options or LogprobOptions())
+    return fn(hidden, weight, labels.contiguous(), inv_t, call)
 
 
 def logprobs_and_entropy(
@@ -98,14 +116,51 @@ def logprobs_and_entropy(
         ValueError: bad shapes or dtypes, labels out of range, temperature <= 0 (before any launch),
             or an impl that cannot run here.
     """
-    inv_t = _check_inputs(hidden, weight, labels, temperature)
-    if hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    labels = labels.contiguous()
-    call = LogprobCall(calculate_entropy, entropy_grad, options or LogprobOptions())
-    return resolve("logprob", impl)(hidden, weight, labels, inv_t, call)
+    _check_tensors(hidden, weight, labels)
+    inv_t, bad_t = _inverse_temperature(temperature, hidden.shape[0], compute_dtype(hidden.dtype), hidden.device)
+    _check_values(bad_t, labels, weight.shape[0])
+    return _run(resolve("logprob", impl), hidden, weight, labels, inv_t, calculate_entropy, entropy_grad, options)
 
 
-__all__ = ["IMPLS", "LogprobOptions", "logprobs_and_entropy", "logprobs_and_entropy_ref"]
+@dataclass(frozen=True)
+class LogprobHead:
+    """`logprobs_and_entropy` with its implementation resolved once (`logprob_head`), as a model's ops
+    are at build: what an engine calls per micro-batch. It takes the temperature already inverted
+    per token and validated by the caller (the engines' packing does it once per micro-batch).
+
+    __call__(hidden [N, D], weight [VOCAB, D], labels [N] int64, inv_temperature [N] float (1/T,
+    finite and > 0: not checked again), calculate_entropy=True, entropy_grad=True) -> (log_prob [N],
+    entropy [N] or None), fp32, as `logprobs_and_entropy`. Raises ValueError on bad shapes, dtypes,
+    devices or labels.
+    """
+
+    fn: Callable
+    options: LogprobOptions = field(default_factory=LogprobOptions)
+
+    def __call__(self, hidden, weight, labels, inv_temperature, calculate_entropy=True, entropy_grad=True):
+        _check_tensors(hidden, weight, labels)
+        n = hidden.shape[0]
+        if inv_temperature.shape != (n,) or not inv_temperature.is_floating_point():
+            raise ValueError(
+                f"inv_temperature must be a float [N={n}], got {inv_temperature.dtype} {tuple(inv_temperature.shape)}"
+            )
+        if inv_temperature.device != hidden.device:
+            raise ValueError(f"inv_temperature must be on {hidden.device}, got {inv_temperature.device}")
+        _check_values(torch.zeros((), dtype=torch.bool, device=hidden.device), labels, weight.shape[0])
+        inv_t = inv_temperature.to(compute_dtype(hidden.dtype))
+        return _run(self.fn, hidden, weight, labels, inv_t, calculate_entropy, entropy_grad, self.options)
+
+
+def logprob_head(impl: str | None = None, options: LogprobOptions | None = None) -> LogprobHead:
+    """The head with `resolve("logprob", impl)` chosen now (see `logprobs_and_entropy` for impl)."""
+    return LogprobHead(resolve("logprob", impl), options or LogprobOptions())
+
+
+__all__ = [
+    "IMPLS",
+    "LogprobHead",
+    "LogprobOptions",
+    "logprob_head",
+    "logprobs_and_entropy",
+    "logprobs_and_entropy_ref",
+]

@@ -29,8 +29,9 @@ def test_pack_matches_per_sequence_concatenation():
     lens = torch.tensor([len(t) for t in ids])
     assert packed.cu_seqlens.dtype == torch.int32
     assert packed.cu_seqlens.tolist() == [0, *torch.cumsum(lens, 0).tolist()]
+    assert packed.cu_seqlens_cpu == tuple(packed.cu_seqlens.tolist())  # the same offsets on the host
     assert torch.equal(packed.labels[:-1], flat[1:])  # next token; verl never reads a sequence's last label
-    assert torch.equal(packed.temperature, torch.repeat_interleave(temperature, lens))
+    assert torch.equal(packed.inv_temperature, torch.repeat_interleave(1.0 / temperature, lens))
     for seq_positions in positions:  # verl's position ids count from each first real token
         assert seq_positions.tolist() == list(range(len(seq_positions)))
 
@@ -39,11 +40,24 @@ def test_scalar_temperature_and_unpack_round_trip():
     data, ids, _ = _padded_sequences(3, 5, 5, seed=1)
     tu.assign_non_tensor(data, temperature=0.8)
     packed = batch.pack_micro_batch(data, torch.device("cpu"))
-    assert torch.all(packed.temperature == 0.8)
+    assert torch.all(packed.inv_temperature == 1.0 / torch.tensor(0.8))
     nested = batch.unpack_to_nested(packed.input_ids[0].float(), packed)
     assert [t.long().tolist() for t in nested.unbind()] == [t.tolist() for t in ids]
     with pytest.raises(ValueError, match="per-token values"):
         batch.unpack_to_nested(torch.zeros(packed.num_tokens + 1), packed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_temperature_refused_at_packing(temperature):
+    """The head takes the packed inverse temperature as it is: packing is where a bad one stops."""
+    data, _, _ = _padded_sequences(3, 5, 5, seed=1)
+    data["temperature"] = torch.tensor([1.0, temperature, 1.0])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        batch.pack_micro_batch(data, torch.device("cpu"))
+    data, _, _ = _padded_sequences(3, 5, 5, seed=1)
+    tu.assign_non_tensor(data, temperature=temperature)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        batch.pack_micro_batch(data, torch.device("cpu"))
 
 
 def test_micro_batches_by_count():
@@ -69,7 +83,10 @@ def test_micro_batches_by_token_budget(budget):
         batch.split_micro_batches(lens, use_dynamic_bsz=True, micro_batch_size=None, max_token_len=8)
 
 
-def test_merge_outputs_restores_batch_order():
+def test_verl_postprocess_restores_batch_order_from_our_indices():
+    """The engines hand their micro-batch index lists to verl's `postprocess_batch_func`."""
+    from verl.workers.engine.utils import postprocess_batch_func
+
     rows = [torch.arange(n, dtype=torch.float32) + 10 * i for i, n in enumerate([2, 3, 1, 4])]
     bins = [[1, 3], [0, 2]]
     outputs = [
@@ -80,7 +97,7 @@ def test_merge_outputs_restores_batch_order():
         }
         for k, b in enumerate(bins)
     ]
-    merged = batch.merge_outputs(outputs, bins)
+    merged = postprocess_batch_func(outputs, bins, make_batch(4, 2, 2, seed=0))
     assert [t.tolist() for t in merged["model_output"]["log_probs"].unbind()] == [r.tolist() for r in rows]
     assert merged["loss"] == [0.0, 1.0] and merged["metrics"] == {"m": [0, 1]}
 

@@ -41,7 +41,7 @@ def _packed_row(seed: int) -> PackedBatch:
         position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None],
         cu_seqlens=offsets.to(torch.int32),
         labels=torch.roll(ids[0], -1),
-        temperature=torch.ones(total),
+        inv_temperature=torch.ones(total),
         offsets=offsets,
     )
 

@@ -106,30 +106,59 @@ def test_seq_bounds():
     assert seq_bounds(None, 5) == [(0, 5)]
 
 
-def test_device_offsets_read_once_per_tensor_and_version(monkeypatch):
-    """Offsets on a device are read to the host once per tensor object and version (CPU CI: a CPU
-    tensor stands in for one by declaring its reads costly)."""
-    reads = []
-    real_tolist = torch.Tensor.tolist
+class CountedOffsets(torch.Tensor):
+    """Offsets whose host reads are counted (CPU CI: the reads a device tensor would cost)."""
 
-    class Offsets(torch.Tensor):  # counts device-to-host reads
-        def tolist(self):
-            reads.append(1)
-            return real_tolist(self)
+    reads: list = []
 
-    monkeypatch.setattr(varlen, "_read_is_costly", lambda t: True)
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32).as_subclass(Offsets)
-    assert seq_bounds(cu, 7) == [(0, 3), (3, 7)]
-    check_cu_seqlens(cu, 7)
-    assert len(reads) == 1
-    cu[1] = 5  # an in-place update bumps the version: read again
-    assert seq_bounds(cu, 7) == [(0, 5), (5, 7)]
-    assert len(reads) == 2
-    other = torch.tensor([0, 3, 7], dtype=torch.int32).as_subclass(Offsets)
-    assert varlen.host_values(other) == [0, 3, 7] and len(reads) == 3
-    with torch.inference_mode():
-        frozen = torch.tensor([0, 2, 7], dtype=torch.int32)
-    assert varlen.host_values(frozen) == [0, 2, 7]
+    def tolist(self):
+        CountedOffsets.reads.append(1)
+        return torch.Tensor(self).tolist()
+
+
+def _counted(values) -> torch.Tensor:
+    CountedOffsets.reads = []
+    return torch.tensor(values, dtype=torch.int32).as_subclass(CountedOffsets)
+
+
+def test_host_copy_of_offsets_spares_the_device_read():
+    """With `cu_seqlens_cpu` the offsets are read from the host copy, never from `cu_seqlens`;
+    without it each call reads `cu_seqlens` (no cache to go stale); a host copy of another length
+    is refused."""
+    cu, host = _counted([0, 3, 7]), torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert seq_bounds(cu, 7, host) == [(0, 3), (3, 7)]
+    assert check_cu_seqlens(cu, 7, host) == [0, 3, 7]
+    assert varlen.host_offsets(cu, host) is host
+    assert not CountedOffsets.reads
+    assert seq_bounds(cu, 7) == [(0, 3), (3, 7)] and len(CountedOffsets.reads) == 1
+    assert varlen.host_offsets(cu, None) == (0, 3, 7) and len(CountedOffsets.reads) == 2
+    assert check_cu_seqlens(cu, 7, (0, 3, 7)) == [0, 3, 7] and len(CountedOffsets.reads) == 2  # ints serve too
+    with pytest.raises(ValueError, match="host copy"):
+        check_cu_seqlens(cu, 7, host[:2])
+
+
+def test_ops_read_the_host_copy():
+    """The sequence ops (torch references) take the host copy and then never read `cu_seqlens`; the
+    results equal those from `cu_seqlens` alone."""
+    import verl_moe.ops as ops
+
+    x = torch.randn(1, 7, 2, 8)
+    g, beta = -x[..., 0].abs(), x[..., 0].sigmoid()
+    host = torch.tensor([0, 3, 7], dtype=torch.int32)
+
+    def run(**offsets):
+        return (
+            ops.causal_attention(x, x, x, impl="torch", **offsets),
+            ops.causal_conv1d(x[..., 0, :], torch.ones(8, 4), impl="torch", **offsets),
+            ops.chunk_gated_delta_rule(x, x, x, g, beta, impl="torch", **offsets)[0],
+        )
+
+    from_device = run(cu_seqlens=host.clone())
+    cu = _counted([0, 3, 7])
+    from_host = run(cu_seqlens=cu, cu_seqlens_cpu=host)
+    assert not CountedOffsets.reads
+    for a, b in zip(from_device, from_host):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])

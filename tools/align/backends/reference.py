@@ -42,7 +42,8 @@ def full_logprobs(model, hidden: torch.Tensor, labels: torch.Tensor, temperature
 def _forward(model, packed):
     """`model` over one packed row (`engines.batch.PackedBatch`), router logits kept; a vision-language
     batch's pixels and grids go to the tower."""
-    return model(packed.input_ids, packed.position_ids, packed.cu_seqlens, output_router_logits=True, **packed.media)
+    offsets = {"cu_seqlens": packed.cu_seqlens, "cu_seqlens_cpu": packed.cu_seqlens_cpu}
+    return model(packed.input_ids, packed.position_ids, output_router_logits=True, **offsets, **packed.media)
 
 
 def _routed(model, replay, td, action: str, dev):
