@@ -138,3 +138,22 @@ def test_device_stream_numbers_equal_the_hosts():
     index = torch.randint(0, 2**20, (203,), generator=gen)
     expect = [stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
     assert stream_uniforms(streams, index).tolist() == expect
+
+
+def test_seeded_request_gives_its_tokens_alone_in_a_batch_of_64_and_in_any_order():
+    """Sampled requests with their own seeds: each one's tokens alone equal its tokens among 64 requests
+    admitted together, and among the same 64 arriving in reverse order in two waves."""
+    model = _model()
+    requests = [
+        Request(f"q{i}", ((5 * i) % VOCAB, (11 * i + 1) % VOCAB), SamplingParams(max_tokens=6, temperature=1.0, seed=i))
+        for i in range(64)
+    ]
+    together = {c.request_id: c.token_ids for c in GenerationEngine(model, [], max_num_seqs=64).generate(requests)}
+    engine = GenerationEngine(model, [], max_num_seqs=64)
+    done = engine.add(requests[::-1][:40]) + engine.step(2) + engine.add(requests[::-1][40:])
+    while engine.num_running:
+        done += engine.step(3)
+    assert {c.request_id: c.token_ids for c in done} == together
+    for i in (0, 31, 63):
+        alone = GenerationEngine(model, []).generate([requests[i]])[0]
+        assert alone.token_ids == together[f"q{i}"]
