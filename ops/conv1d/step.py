@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens, seq_bounds
+from ..varlen import check_cu_seqlens
 from .reference import ACTIVATIONS
 
 IMPLS = {
@@ -77,7 +77,7 @@ def conv1d_state_from_prefill(
     x: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """The conv state each sequence has after its prompt: its last W-1 conv inputs, zero-padded on
-    the left when the prompt is shorter than W-1.
+    the left when the prompt is shorter than W-1 (one gather for all sequences).
 
     Args:
         x: [B, T, C] conv inputs of the prompts (B == 1 with cu_seqlens [N+1], else one per row).
@@ -94,13 +94,16 @@ def conv1d_state_from_prefill(
         if B != 1:
             raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={B}")
         check_cu_seqlens(cu_seqlens, T)
-    rows = [(b, s, e) for b in range(B) for s, e in seq_bounds(cu_seqlens, T)]
-    state = x.new_zeros(len(rows), C, width - 1, dtype=dtype or x.dtype)
-    for n, (b, s, e) in enumerate(rows):
-        take = min(width - 1, e - s)
-        if take:
-            state[n, :, width - 1 - take :] = x[b, e - take : e].transpose(0, 1)
-    return state
+        bounds = cu_seqlens.to(x.device, torch.long)
+        starts, ends = bounds[:-1], bounds[1:]
+    else:
+        starts = torch.arange(B, device=x.device) * T
+        ends = starts + T
+    rows = x.reshape(B * T, C)
+    index = ends[:, None] + torch.arange(1 - width, 0, device=x.device)  # [N, W-1] the last W-1 positions
+    before = index < starts[:, None]  # positions before the sequence start: zeros
+    state = torch.where(before[..., None], 0, rows[index.clamp(min=0)])  # [N, W-1, C]
+    return state.transpose(1, 2).to(dtype or x.dtype).contiguous()
 
 
 __all__ = ["IMPLS", "causal_conv1d_step_ref", "check_conv1d_step_inputs", "conv1d_state_from_prefill"]
