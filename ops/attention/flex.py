@@ -5,23 +5,20 @@ FlexAttention skips the fully masked blocks and takes GQA natively (`enable_gqa`
 On cuda it runs torch.compile'd (the fused Triton kernels; the first call of each shape compiles,
 a second shape compiles once more with dynamic shapes); on CPU it runs eagerly, forward only
 (torch has no CPU backward for it), which is what the CPU tests use. Any float dtype.
-The block mask is built once per cu_seqlens tensor and version (every layer of a step shares it).
+The block mask is built once per packed layout, keyed by the offsets' host values (every layer of a
+step shares it).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from ..varlen import HostOffsets
+from ..varlen import HostOffsets, host_offsets, host_values
 from .reference import check_attention_inputs
-
-# (id(cu_seqlens), T, device) -> (weak reference, version, block mask) of the last few packed batches
-_MASKS: dict[tuple, tuple] = {}
 
 
 @functools.cache
@@ -45,27 +42,13 @@ def _make_block_mask(doc: torch.Tensor, causal: bool = True):
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(T: int, device: torch.device, causal: bool = True):
-    return _make_block_mask(torch.zeros(T, dtype=torch.int32, device=device), causal)
-
-
-def _block_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device, causal: bool = True):
-    if cu_seqlens is None:
-        return _causal_block_mask(T, device, causal)
-    key = (id(cu_seqlens), T, str(device), causal)
-    seen = _MASKS.get(key)
-    cacheable = not cu_seqlens.is_inference()  # inference tensors have no version counter
-    if cacheable and seen is not None and seen[0]() is cu_seqlens and seen[1] == cu_seqlens._version:
-        return seen[2]
-    cu = cu_seqlens.to(device=device)
-    lengths = cu[1:] - cu[:-1]
-    ids = torch.arange(lengths.numel(), dtype=torch.int32, device=device)
-    mask = _make_block_mask(torch.repeat_interleave(ids, lengths, output_size=T), causal)
-    if cacheable:
-        if len(_MASKS) >= 8:
-            _MASKS.clear()
-        _MASKS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, mask)
-    return mask
+def _block_mask(offsets: tuple[int, ...] | None, T: int, device: torch.device, causal: bool = True):
+    """The block mask of packed sequences at host `offsets` (None: one sequence of T tokens)."""
+    if offsets is None:
+        return _make_block_mask(torch.zeros(T, dtype=torch.int32, device=device), causal)
+    lengths = torch.tensor([e - s for s, e in zip(offsets[:-1], offsets[1:])])
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths, output_size=T)
+    return _make_block_mask(ids.to(device), causal)
 
 
 def causal_attention_flex(
@@ -91,6 +74,7 @@ def causal_attention_flex(
     Raises:
         ValueError: bad shapes/dtypes/cu_seqlens, or inputs that need a gradient on CPU.
     """
+    cu_seqlens_cpu = host_offsets(cu_seqlens, cu_seqlens_cpu)
     check_attention_inputs(q, k, v, cu_seqlens, cu_seqlens_cpu)
     T, H = q.shape[1], q.shape[2]
     on_cpu = q.device.type == "cpu"
@@ -98,7 +82,8 @@ def causal_attention_flex(
         raise ValueError("flex attention has no CPU backward in torch: use impl 'torch' for training on CPU")
     if q.numel() == 0:
         return q.new_empty(*q.shape[:3], v.shape[-1])
-    mask = _block_mask(cu_seqlens, T, q.device, causal)
+    offsets = None if cu_seqlens is None else tuple(host_values(cu_seqlens, cu_seqlens_cpu))
+    mask = _block_mask(offsets, T, q.device, causal)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     options = {"block_mask": mask, "scale": scale, "enable_gqa": H != k.shape[2]}
     if not on_cpu:
