@@ -5,9 +5,12 @@ is skipped with the reason instead of failing at collection. None of these tests
 
 import importlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the model tests' tiny configs
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 _platform_was_set = "VERL_PLATFORM" in os.environ

@@ -13,31 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 import verl_moe.models as vm
-from transformers import Qwen3_5MoeTextConfig
+from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
 from verl_moe.engines.rollout.sampling import SamplingParams, stream_uniform, stream_uniforms
 
-VOCAB = 64
+VOCAB = tiny_qwen3_5_moe_text().vocab_size
 
 
 def _model(dtype=torch.float32, device="cpu") -> vm.MoeCausalLM:
     """Tiny Qwen3.5-MoE: GatedDeltaNet, attention and MoE layers, random norms."""
-    config = Qwen3_5MoeTextConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=False,
-        architectures=["Qwen3_5MoeForCausalLM"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    )  # fmt: skip
     torch.manual_seed(0)
-    model = vm.build(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.2)
+    model = vm.build(tiny_qwen3_5_moe_text())
+    randomize_norms(model)
     return model.to(device, dtype).eval()
 
 
