@@ -40,9 +40,10 @@ class MoeVisionLM(nn.Module):
     text row, then the three mRoPE rows: verl's layout; the text row is dropped, as transformers does) long,
     cu_seqlens [N+1] int or None, pixel_values [P, C*TP*PS*PS] float or None, image_grid_thw [N_img, 3]
     int or None, pixel_values_videos / video_grid_thw the same for videos, output_router_logits=False,
-    cu_seqlens_cpu=None: cu_seqlens as host ints, as `MoeCausalLM`) -> MoeModelOutput (final hidden states [B, T, D] after the norm, as `MoeCausalLM`). The images of
-    the whole batch (rows in order, or the packed sequences of one row in order) arrive together;
-    their features replace the image placeholder tokens in reading order. Logits only on request:
+    cu_seqlens_cpu=None: cu_seqlens as host ints, as `MoeCausalLM`) -> MoeModelOutput (final hidden
+    states [B, T, D] after the norm, as `MoeCausalLM`). The images of the whole batch (rows in order,
+    or the packed sequences of one row in order) arrive together; their features replace the image
+    placeholder tokens in reading order. Logits only on request:
     `model.logits(hidden)`.
     """
 
