@@ -144,3 +144,14 @@ def test_seeded_request_gives_its_tokens_alone_in_a_batch_of_64_and_in_any_order
     for i in (0, 31, 63):
         alone = GenerationEngine(model, []).generate([requests[i]])[0]
         assert alone.token_ids == together[f"q{i}"]
+
+
+def test_rollout_bench_passes_run_on_cpu():
+    """`verl-moe bench rollout`'s timed passes on the tiny model (eager on CPU): every request of every pass
+    generates exactly its new tokens in one engine that keeps its slots between passes."""
+    from verl_moe.engines.rollout.bench import _ours, _prompts
+
+    passes = [(_prompts(6, 5, VOCAB, 1), 4), (_prompts(6, 3, VOCAB, 2), 7), (_prompts(6, 3, VOCAB, 3), 7)]
+    runs = _ours(_model(), graphs=False, passes=passes)
+    assert [r["steps"] for r in runs] == [3, 6, 6]
+    assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in runs)
