@@ -192,6 +192,7 @@ class MoeDecoder:
             raise ValueError(f"token ids must be in [0, {self.arch.vocab_size}), got {ids.min()}..{ids.max()}")
         cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
+        cu_cpu = cu.tolist()  # the offsets as host ints: the ops read none back from the device
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
         slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
         token_slot = slot_index.repeat_interleave(lengths.to(device))  # [T] the slot of each token
@@ -206,27 +207,29 @@ class MoeDecoder:
         def mixer(layer, x):
             cache = next(caches)
             if layer.layer_type == "linear_attention":
-                return self._gdn_prefill(layer.linear_attn, x, cu, cache, slot_index)
-            return self._attention_prefill(layer.self_attn, x, cos, sin, cu, cache, token_slot, token_pos)
+                return self._gdn_prefill(layer.linear_attn, x, (cu, cu_cpu), cache, slot_index)
+            return self._attention_prefill(layer.self_attn, x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos)
 
         hidden, residual = self._layers(hidden, mixer)
         state.lengths[slot_index] = lengths.to(device)
         last = cu[1:].long() - 1  # each prompt's last token
         return self._logits(hidden[0, last], residual[0, last])
 
-    def _attention_prefill(self, attn: Attention, x, cos, sin, cu, cache: AttentionCache, token_slot, token_pos):
+    def _attention_prefill(self, attn: Attention, x, cos, sin, offsets, cache: AttentionCache, token_slot, token_pos):
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)
-        o = attn.ops.attention(q, k, v, scale=attn.head_dim**-0.5, cu_seqlens=cu)
+        cu, cu_cpu = offsets
+        o = attn.ops.attention(q, k, v, scale=attn.head_dim**-0.5, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         cache.k[token_slot, :, token_pos] = k[0]
         cache.v[token_slot, :, token_pos] = v[0]
         return self._attention_out(attn, o, gate)
 
-    def _gdn_prefill(self, gdn: GatedDeltaNet, x, cu, cache: LinearCache, slot_index):
+    def _gdn_prefill(self, gdn: GatedDeltaNet, x, offsets, cache: LinearCache, slot_index):
         B, T, _ = x.shape
+        cu, cu_cpu = offsets
         mixed_qkv = gdn.in_proj_qkv(x)
         conv_weight = gdn.conv1d.weight.squeeze(1)
-        cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu)
-        qkv = gdn.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu)
+        cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu, cu_seqlens_cpu=cu_cpu)
+        qkv = gdn.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         q, k, v = self._split_qkv(gdn, qkv)
         g, beta = self._gates(gdn, gdn.in_proj_a(x), gdn.in_proj_b(x))
         o, final = gdn.ops.gdn(
@@ -240,6 +243,7 @@ class MoeDecoder:
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
         )
         cache.recurrent[slot_index] = final.to(self._state_dtype)
         z = gdn.in_proj_z(x).reshape(B, T, gdn.num_v_heads, gdn.head_v_dim)

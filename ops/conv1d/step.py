@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens
+from ..varlen import HostOffsets, check_cu_seqlens
 from .reference import ACTIVATIONS
 
 IMPLS = {
@@ -74,7 +74,11 @@ def causal_conv1d_step_ref(
 
 
 def conv1d_state_from_prefill(
-    x: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    width: int,
+    cu_seqlens: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    cu_seqlens_cpu: HostOffsets | None = None,
 ) -> torch.Tensor:
     """The conv state each sequence has after its prompt: its last W-1 conv inputs, zero-padded on
     the left when the prompt is shorter than W-1 (one gather for all sequences).
@@ -82,6 +86,7 @@ def conv1d_state_from_prefill(
     Args:
         x: [B, T, C] conv inputs of the prompts (B == 1 with cu_seqlens [N+1], else one per row).
         width: the conv width W. dtype: state dtype, default x's.
+        cu_seqlens_cpu: cu_seqlens as host ints (then its values are not read from the device).
     Returns:
         [N, C, W-1] (N = B without cu_seqlens).
     Raises:
@@ -93,7 +98,7 @@ def conv1d_state_from_prefill(
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen input (cu_seqlens) needs B == 1, got B={B}")
-        check_cu_seqlens(cu_seqlens, T)
+        check_cu_seqlens(cu_seqlens, T, cu_seqlens_cpu)
         bounds = cu_seqlens.to(x.device, torch.long)
         starts, ends = bounds[:-1], bounds[1:]
     else:
