@@ -21,7 +21,7 @@ from ..ops.varlen import HostOffsets, check_cu_seqlens
 from .arch import ArchConfig
 from .layers import Attention, DenseMLP, Experts, MoeBlock, ResolvedOps, RMSNorm
 from .ops_config import OpsConfig
-from .qwen3_5_moe.model import GatedDeltaNet
+from .qwen3_5_moe.gated_deltanet import GatedDeltaNet
 from .registry import ModelSpec, get_spec
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from ..ops import device, resolve
 from ..ops.conv1d.step import conv1d_state_from_prefill
 from .causal_lm import MoeCausalLM
 from .layers import Attention, Experts
-from .qwen3_5_moe.model import GatedDeltaNet
+from .qwen3_5_moe.gated_deltanet import GatedDeltaNet
 
 logger = logging.getLogger(__name__)
 

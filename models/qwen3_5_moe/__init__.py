@@ -3,7 +3,7 @@ the rest of the text decoder is shared. The vision-language model is `vl_model.M
 (imported from `verl_moe.models`: it builds on `causal_lm`, which imports this package)."""
 
 from .config import arch_config, text_config, vision_arch
-from .model import GatedDeltaNet
+from .gated_deltanet import GatedDeltaNet
 from .rope_index import mrope_position_ids
 from .vision import VisionArch, VisionModel
 

@@ -15,7 +15,7 @@ import verl_moe.models as vm
 from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
 from torch.distributed._composable import checkpoint
 from verl_moe.models.fsdp_plan import checkpoint_in_tiles, decoder_layers, offload_activations
-from verl_moe.models.qwen3_5_moe.model import tile_span
+from verl_moe.models.qwen3_5_moe.gated_deltanet import tile_span
 from verl_moe.ops.testing import assert_rel_rms
 
 TOL = 1e-12  # fp64

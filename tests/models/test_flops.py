@@ -21,7 +21,7 @@ from tiny_models import packed_inputs, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from verl_moe.models import flops
-from verl_moe.models.qwen3_5_moe.model import GatedDeltaNet
+from verl_moe.models.qwen3_5_moe.gated_deltanet import GatedDeltaNet
 from verl_moe.ops.gdn import recurrent_gated_delta_rule_ref
 
 LENGTHS = [7, 1, 12]  # packed sequences, one of length 1
