@@ -31,8 +31,8 @@ class RolloutOptions:
     ops: the rollout model's op choices (`verl_moe.models.OpsConfig` fields), None for auto.
     sync_every: decode steps between two reads of the decode slots by the host (finished requests
         leave, and their slots free, at these reads).
-    device_graphs: run each decode step as one captured device graph (cuda / npu); None: for a bf16
-        rollout on cuda, unless the rollout config's `enforce_eager` (npu: not run, opt in with true).
+    device_graphs: run each decode step as one captured device graph (cuda / npu); None: for a bf16 or
+        fp32 rollout on cuda, unless the rollout config's `enforce_eager` (npu: not run, opt in with true).
     """
 
     steps_per_call: int = 16

@@ -9,9 +9,9 @@ and sample their first token; `step(k)` advances the running slots by up to k to
 the slots [0, B) (B a power of two covering the highest running slot) with an `active` mask and
 samples, records and detects the end of every sequence on the device; the host reads the slots back
 once per `sync_every` steps (one copy), then frees the finished slots and moves the highest running
-ones down into free lower slots, so B follows the number running. For a bf16 model on cuda the model
-step runs as one device graph per B (`StepGraphs`; npu opts in with `device_graphs=True`); otherwise
-the same step runs eagerly.
+ones down into free lower slots, so B follows the number running. For a bf16 or fp32 model on cuda the
+model step runs as one device graph per B (`StepGraphs`; npu opts in with `device_graphs=True`);
+otherwise the same step runs eagerly.
 
 Sampling streams: every sampled request draws its t-th token at `stream_uniform(stream, t)` of a
 stream of its own: its `seed` when it has one, else `stream_seed(seed, weights_version, prompt, key)`
@@ -121,7 +121,7 @@ class GenerationEngine:
         sync_every: decode steps between two reads of the slots by the host (a finished slot is
             freed at the next read: at most sync_every - 1 idle steps for it).
         device_graphs: run the decode step as device graphs (cuda, or npu through torch_npu: not run);
-            None: for a bf16 model on cuda.
+            None: for a bf16 or fp32 model on cuda.
     """
 
     def __init__(
@@ -142,8 +142,8 @@ class GenerationEngine:
         self.max_positions = max_positions
         self.max_num_seqs, self.sync_every = max_num_seqs, sync_every
         self.device = self.decoder.device
-        if device_graphs is None:  # captures were checked on cuda in bf16 (the recipes' rollout dtype) only
-            device_graphs = self.device.type == "cuda" and self.decoder.dtype == torch.bfloat16
+        if device_graphs is None:  # where captures were checked against the eager step (tests on an H200)
+            device_graphs = self.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
         self.graphs = StepGraphs(self.decoder) if device_graphs else None
         self.draw = resolve("sampling")  # the op that samples rows without filters
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
