@@ -31,7 +31,7 @@ PROVIDERS = ("verl_moe", "veomni")
 REFERENCE = "veomni"
 MODES = ("fwd", "fwd_bwd")
 # the check compares the bf16 loss (as `verl-moe bench model`); gradients are tested in fp32 on CPU
-# (tests/integrations/test_veomni.py)
+# (tests/integrations/test_veomni_kernels.py)
 TOLERANCE = {"verl_moe": 1e-3, "veomni": 0.0}
 
 
