@@ -140,6 +140,7 @@ class MoeRolloutAdapter(BaseRollout):
                 max_positions=self.max_positions,
                 max_num_seqs=self.config.max_num_seqs,
                 sync_every=self.options.sync_every,
+                max_prefill_tokens=self.options.max_prefill_tokens,
                 device_graphs=False if self.config.enforce_eager else self.options.device_graphs,
             )
         # the weights were copied into the model in place: the engine's slots and graphs stay valid

@@ -31,6 +31,7 @@ class RolloutOptions:
     ops: the rollout model's op choices (`verl_moe.models.OpsConfig` fields), None for auto.
     sync_every: decode steps between two reads of the decode slots by the host (finished requests
         leave, and their slots free, at these reads).
+    max_prefill_tokens: prompt tokens per packed prefill forward (bounds the prefill's activations).
     device_graphs: run each decode step as one captured device graph (cuda / npu); None: for a bf16 or
         fp32 rollout on cuda, unless the rollout config's `enforce_eager` (npu: not run, opt in with true).
     """
@@ -40,12 +41,14 @@ class RolloutOptions:
     ops: Mapping | None = None
     sync_every: int = 8
     device_graphs: bool | None = None
+    max_prefill_tokens: int = 32768
 
     def __post_init__(self):
         if self.steps_per_call < 1:
             raise ValueError(f"engine_kwargs.verl_moe.steps_per_call must be >= 1, got {self.steps_per_call}")
-        if self.sync_every < 1:
-            raise ValueError(f"engine_kwargs.verl_moe.sync_every must be >= 1, got {self.sync_every}")
+        for name in ("sync_every", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine_kwargs.verl_moe.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"engine_kwargs.verl_moe.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 

@@ -120,6 +120,8 @@ class GenerationEngine:
         max_num_seqs: slots at most (requests running at once).
         sync_every: decode steps between two reads of the slots by the host (a finished slot is
             freed at the next read: at most sync_every - 1 idle steps for it).
+        max_prefill_tokens: prompt tokens per packed prefill forward (an admission of more runs in
+            several; a longer prompt alone).
         device_graphs: run the decode step as device graphs (cuda, or npu through torch_npu: not run);
             None: for a bf16 or fp32 model on cuda.
     """
@@ -134,9 +136,14 @@ class GenerationEngine:
         max_num_seqs: int = 256,
         sync_every: int = 8,
         device_graphs: bool | None = None,
+        max_prefill_tokens: int = 32768,
     ):
-        if max_num_seqs < 1 or sync_every < 1:
-            raise ValueError(f"max_num_seqs and sync_every must be >= 1, got {max_num_seqs} and {sync_every}")
+        if min(max_num_seqs, sync_every, max_prefill_tokens) < 1:
+            raise ValueError(
+                f"max_num_seqs, sync_every and max_prefill_tokens must be >= 1, got {max_num_seqs}, {sync_every}, "
+                f"{max_prefill_tokens}"
+            )
+        self.max_prefill_tokens = max_prefill_tokens
         self.decoder = MoeDecoder(model)
         self.vocab_size = model.arch.vocab_size
         self.max_positions = max_positions
@@ -179,13 +186,29 @@ class GenerationEngine:
         slots = self._take_slots(requests)
         new = [_Running(r, self._stream(r)) for r in requests]
         self._write_settings(slots, new)
-        logits = self.decoder.prefill([list(r.prompt_ids) for r in requests], self._state, slots)
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
         for i, r in zip(slots, new):
             self._slots[i] = r
-        self._t["active"][index] = True
-        self._sample(logits, index, self._t["active"][index], self._uses())
+        uses = self._uses()
+        for group in self._prefill_groups(requests):
+            logits = self.decoder.prefill(
+                [list(requests[n].prompt_ids) for n in group], self._state, [slots[n] for n in group]
+            )
+            index = torch.tensor([slots[n] for n in group], dtype=torch.long, device=self.device)
+            self._t["active"][index] = True
+            self._sample(logits, index, self._t["active"][index], uses)
         return self._collect(only=slots)
+
+    def _prefill_groups(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Consecutive groups of request positions whose prompts together hold at most
+        `max_prefill_tokens` tokens (a longer prompt alone), so a large admission's packed forward
+        stays within that many tokens of activations."""
+        groups, tokens = [[]], 0
+        for n, r in enumerate(requests):
+            if groups[-1] and tokens + len(r.prompt_ids) > self.max_prefill_tokens:
+                groups, tokens = groups + [[]], 0
+            groups[-1].append(n)
+            tokens += len(r.prompt_ids)
+        return groups
 
     def step(self, steps: int = 1) -> list[Completion]:
         """Advance every running sequence by up to `steps` tokens; returns those that finished."""

@@ -66,6 +66,19 @@ def test_slots_are_freed_reused_and_each_request_decodes_as_alone():
     _assert_same(done, _alone(model, requests))
 
 
+def test_prefill_in_token_bounded_groups_decodes_as_one_prefill():
+    """An admission split into prefill forwards of at most 4 prompt tokens (a longer prompt alone) gives
+    every request the tokens of one packed prefill of all of them."""
+    model = _model()
+    requests = _requests(12)
+    one = {c.request_id: c for c in GenerationEngine(model, [], seed=3).generate(requests)}
+    engine = GenerationEngine(model, [], seed=3, max_prefill_tokens=4)
+    groups = engine._prefill_groups(requests)
+    assert [n for g in groups for n in g] == list(range(12)) and len(groups) > 1
+    assert all(len(g) == 1 or sum(len(requests[n].prompt_ids) for n in g) <= 4 for g in groups)
+    _assert_same(engine.generate(requests), one)
+
+
 def test_running_slots_are_packed_down_when_low_ones_finish():
     """Eight slots, the first six finish after one token: the two long requests move to slots 0 and 1
     (so steps run at batch 2) and still decode as alone."""
