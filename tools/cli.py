@@ -82,7 +82,9 @@ def _options(
 @app.command()
 def bench(
     op: str = typer.Argument(
-        ..., help="op folder under verl_moe.ops (gdn, logprob, ...), model (a training step) or rollout (decoding)"
+        ...,
+        help="op folder under verl_moe.ops (gdn, logprob, ...), model (a training step), rollout (decoding), "
+        "veomni / transformers (our kernels inside those projects' models)",
     ),
     case: list[str] = typer.Option([], help="case id(s) to run (default: all)"),
     provider: list[str] = typer.Option([], help="provider(s) to run (default: all)"),
