@@ -10,7 +10,8 @@ was drawn from):
 3. top-k (k <= 0 or >= VOCAB: off), then top-p (keep the smallest set of most likely tokens whose
    mass reaches p; the most likely token always stays), then min-p (drop tokens whose probability
    is below min_p times the largest);
-4. log-softmax of what remains; greedy rows take the argmax, the others draw from it by inverting
+4. log-softmax of what remains and the draw (the sampling op, `ops/sampling`): greedy rows take the
+   argmax, the others draw from it by inverting
    its CDF at a number of the request's own stream (`stream_uniform`), so what a row draws does not
    depend on the other rows. Streams are counter-based hashes rather than torch generators: one
    batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU), computed on the
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ...ops import resolve
-from ...ops.sampling import inverse_cdf
 
 GREEDY_EPS = 1e-5  # vLLM's: temperatures below it mean greedy
 # Keys verl's agent loops and LLMServerClient send that change nothing here.
@@ -173,12 +173,10 @@ class SamplingRows:
     min_p: torch.Tensor
     penalty: torch.Tensor
     uniform: torch.Tensor
-    use_temperature: bool = True
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
     use_penalty: bool = True
-    use_sampling: bool = True
 
     @classmethod
     def from_params(
@@ -218,12 +216,10 @@ def settings_of(params: Sequence[SamplingParams]) -> dict[str, list]:
 def uses_of(params: Sequence[SamplingParams]) -> dict[str, bool]:
     """`SamplingRows`' use_* flags for rows with these params."""
     return {
-        "use_temperature": any(not p.greedy and p.temperature != 1.0 for p in params),
         "use_top_k": any(p.top_k > 0 for p in params),
         "use_top_p": any(p.top_p < 1.0 for p in params),
         "use_min_p": any(p.min_p > 0.0 for p in params),
         "use_penalty": any(p.repetition_penalty != 1.0 for p in params),
-        "use_sampling": any(not p.greedy for p in params),
     }
 
 
@@ -253,26 +249,22 @@ def sample(
 def sample_rows(
     logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor | None = None, draw: Callable | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` with the settings as tensors: no value is read back to the host. Rows that filter nothing
-    (no penalty, top-k, top-p or min-p) go through the sampling op (`draw`, default `resolve("sampling")`:
-    one Triton kernel on cuda / npu)."""
-    if not (rows.use_penalty or rows.use_top_k or rows.use_top_p or rows.use_min_p):
-        return (draw or resolve("sampling"))(logits, rows.temperature, rows.greedy, rows.uniform)
-    x = logits.float()
-    if seen is not None and rows.use_penalty:
-        pen = rows.penalty[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
-    if rows.use_temperature:
-        x = x / rows.temperature[:, None]
-    if rows.use_top_k:
-        x = _mask_top_k(x, rows.top_k)
-    if rows.use_top_p or rows.use_min_p:
-        x = _mask_top_p_min_p(x, rows.top_p if rows.use_top_p else None, rows.min_p if rows.use_min_p else None)
-    logprobs = torch.log_softmax(x, dim=-1)
-    tokens = x.argmax(-1)
-    if rows.use_sampling:
-        tokens = torch.where(rows.greedy, tokens, inverse_cdf(logprobs.exp(), rows.uniform))
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    """`sample` with the settings as tensors: no value is read back to the host. The filters (repetition
+    penalty, top-k, top-p, min-p) run only when a row needs one, on the temperature-scaled fp32 logits;
+    the draw itself is the sampling op (`draw`, default `resolve("sampling")`)."""
+    temperature = rows.temperature
+    if rows.use_penalty or rows.use_top_k or rows.use_top_p or rows.use_min_p:
+        x = logits.float()
+        if seen is not None and rows.use_penalty:
+            pen = rows.penalty[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+        x = x / temperature[:, None]
+        if rows.use_top_k:
+            x = _mask_top_k(x, rows.top_k)
+        if rows.use_top_p or rows.use_min_p:
+            x = _mask_top_p_min_p(x, rows.top_p if rows.use_top_p else None, rows.min_p if rows.use_min_p else None)
+        logits, temperature = x, torch.ones_like(temperature)  # scaled already
+    return (draw or resolve("sampling"))(logits, temperature, rows.greedy, rows.uniform)
 
 
 def _mask_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
