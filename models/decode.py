@@ -275,29 +275,37 @@ class MoeDecoder:
         lengths = state.lengths[:B]
         hidden = text.embed_tokens(tokens[:, None])  # [B, 1, D]
         cos, sin = text.rotary(lengths[:, None], hidden.dtype)
+        slots = self._kv_positions(lengths, state.capacity) if state.capacity is not None else None
         caches = iter(state.layers)
 
         def mixer(layer, x):
             if layer.layer_type == "linear_attention":
                 return self._gdn_step(layer.linear_attn, x, next(caches), active)
-            return self._attention_step(layer.self_attn, x, cos, sin, next(caches), lengths, active)
+            return self._attention_step(layer.self_attn, x, cos, sin, next(caches), slots, active)
 
         hidden, residual = self._layers(hidden, mixer)
         lengths += active
         return self._logits(hidden[:, 0], residual[:, 0])
 
-    def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, lengths, active):
+    @staticmethod
+    def _kv_positions(lengths: torch.Tensor, capacity: int):
+        """What every attention layer of a step indexes its cache with, computed once per step: (rows
+        [B], the position each row writes [B], the positions each row attends to [B, capacity])."""
+        rows = torch.arange(lengths.numel(), device=lengths.device)
+        at = lengths.clamp(max=capacity - 1)  # an idle slot may sit at capacity; it writes back what is there
+        visible = torch.arange(capacity, device=lengths.device)[None, :] <= lengths[:, None]
+        return rows, at, visible
+
+    def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, slots, active):
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)  # [B, 1, H | HKV, K]
-        B, L = x.shape[0], cache.k.shape[2]
-        rows = torch.arange(B, device=lengths.device)
-        at = lengths.clamp(max=L - 1)  # an idle slot may sit at capacity; it writes back what is there
+        B = x.shape[0]
+        rows, at, visible = slots
         keep = active[:, None, None]
         cache.k[rows, :, at] = torch.where(keep, k[:, 0], cache.k[rows, :, at])
         cache.v[rows, :, at] = torch.where(keep, v[:, 0], cache.v[rows, :, at])
         HKV, group = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
         # query head h reads kv head h // group: the group's heads act as SDPA query rows
         qg = q[:, 0].reshape(B, HKV, group, attn.head_dim)
-        visible = torch.arange(L, device=lengths.device)[None, :] <= lengths[:, None]  # [B, L]
         o = F.scaled_dot_product_attention(
             qg, cache.k[:B], cache.v[:B], attn_mask=visible[:, None, None, :], scale=attn.head_dim**-0.5
         )  # [B, HKV, group, V]
