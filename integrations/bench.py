@@ -4,8 +4,6 @@ per-row throughput columns."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from verl_moe.models.train_step_bench import PEAK_TFLOPS, reduced_config
 
@@ -16,15 +14,6 @@ def no_accelerator() -> str | None:
     if not device.is_accelerator():
         return "the reduced model needs an accelerator (about 30 GiB)"
     return None
-
-
-def allow_fla_backward_on_hopper() -> None:
-    # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its guard against a Triton miscompile);
-    # its gradients matched the fp32 reference at K=128 on an H200 (as `verl-moe bench model` does)
-    if importlib.util.find_spec("fla") is not None:
-        import fla.ops.common.chunk_o as fla_chunk_o
-
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
 def make_batch(case: dict, device: torch.device, config=None, dtype: torch.dtype = torch.bfloat16) -> dict:

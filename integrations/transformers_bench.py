@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from verl_moe.models.train_step_bench import allow_fla_backward_on_hopper
 
-from .bench import allow_fla_backward_on_hopper, make_batch, no_accelerator, step_row
+from .bench import make_batch, no_accelerator, step_row
 
 CASES = [
     {"id": "hf-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},

@@ -20,8 +20,9 @@ import importlib.util
 import sys
 
 import torch
+from verl_moe.models.train_step_bench import VEOMNI_GPU_OPS, allow_fla_backward_on_hopper
 
-from .bench import allow_fla_backward_on_hopper, make_batch, no_accelerator, step_row
+from .bench import make_batch, no_accelerator, step_row
 
 CASES = [
     {"id": "veomni-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},
@@ -70,16 +71,7 @@ def _ops(provider: str):
             swiglu_mlp_implementation="eager",
             **fields,
         )
-    return OpsImplementationConfig(
-        attn_implementation="sdpa",
-        moe_implementation="fused_triton",
-        cross_entropy_loss_implementation="liger_kernel",
-        rms_norm_implementation="liger_kernel",
-        rms_norm_gated_implementation="fla",
-        causal_conv1d_implementation="fla",
-        chunk_gated_delta_rule_implementation="fla",
-        load_balancing_loss_implementation="triton",
-    )
+    return OpsImplementationConfig(**VEOMNI_GPU_OPS)
 
 
 def _bindings(module) -> dict:

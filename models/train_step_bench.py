@@ -104,7 +104,7 @@ def unavailable(provider: str) -> str | None:
     return None
 
 
-def _allow_fla_backward_on_hopper() -> None:
+def allow_fla_backward_on_hopper() -> None:
     # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its own guard against a Triton
     # miscompile); its gradients matched the fp32 reference at K=128 on an H200.
     if importlib.util.find_spec("fla") is not None:
@@ -113,7 +113,8 @@ def _allow_fla_backward_on_hopper() -> None:
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
-def _build_hf(config, state: dict, device):
+def build_hf(config, state: dict, device):
+    """transformers' Qwen3_5MoeForCausalLM of `config` holding `state` (our names are its names), bf16."""
     from transformers import Qwen3_5MoeForCausalLM
 
     config._attn_implementation = "sdpa"
@@ -123,20 +124,25 @@ def _build_hf(config, state: dict, device):
     return model
 
 
+# VeOmni's GPU kernels for its Qwen3.5-MoE (`OpsImplementationConfig` fields): the anchor of the model
+# step and of the VeOmni integration bench.
+VEOMNI_GPU_OPS = {
+    "attn_implementation": "sdpa",
+    "moe_implementation": "fused_triton",
+    "cross_entropy_loss_implementation": "liger_kernel",
+    "rms_norm_implementation": "liger_kernel",
+    "rms_norm_gated_implementation": "fla",
+    "causal_conv1d_implementation": "fla",
+    "chunk_gated_delta_rule_implementation": "fla",
+    "load_balancing_loss_implementation": "triton",
+}
+
+
 def _build_veomni(config, state: dict, device):
     from veomni.arguments import OpsImplementationConfig
     from veomni.models import build_foundation_model
 
-    ops = OpsImplementationConfig(
-        attn_implementation="sdpa",
-        moe_implementation="fused_triton",
-        cross_entropy_loss_implementation="liger_kernel",
-        rms_norm_implementation="liger_kernel",
-        rms_norm_gated_implementation="fla",
-        causal_conv1d_implementation="fla",
-        chunk_gated_delta_rule_implementation="fla",
-        load_balancing_loss_implementation="triton",
-    )
+    ops = OpsImplementationConfig(**VEOMNI_GPU_OPS)
     model = build_foundation_model(config, torch_dtype="bfloat16", init_device=device.type, ops_implementation=ops)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -152,7 +158,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
     from . import build
     from .fsdp_plan import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
 
-    _allow_fla_backward_on_hopper()
+    allow_fla_backward_on_hopper()
     torch.manual_seed(0)
     config = reduced_config(case["layers"])
     ours = build(config, dtype=torch.bfloat16, device=device)
@@ -185,7 +191,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 def _model(provider: str, inputs: dict):
     if provider not in inputs:
-        build_other = {"hf": _build_hf, "veomni": _build_veomni}[provider]
+        build_other = {"hf": build_hf, "veomni": _build_veomni}[provider]
         state = inputs["ours"].state_dict()
         inputs[provider] = build_other(inputs["config"], state, inputs["input_ids"].device)
     return inputs[provider]

@@ -116,7 +116,7 @@ def run(
         ValueError: an unknown provider, or no accelerator (the reduced model needs ~10 GiB).
     """
     from ...models import build
-    from ...models.train_step_bench import _build_hf, reduced_config
+    from ...models.train_step_bench import build_hf, reduced_config
 
     unknown = sorted(set(providers) - set(PROVIDERS))
     if unknown:
@@ -141,7 +141,7 @@ def run(
         devices.reset_peak_memory_stats()
         try:
             if provider == "transformers":
-                hf_model = _build_hf(config, model.state_dict(), dev).eval()
+                hf_model = build_hf(config, model.state_dict(), dev).eval()
                 runs = _transformers(hf_model, passes)  # its first call is the cold one
                 del hf_model
             else:
