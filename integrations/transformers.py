@@ -282,6 +282,13 @@ def use_torch_gdn(model: nn.Module) -> None:
             _set_gdn_kernels([], mod, module, gated_cls, conv, gdn, None)
 
 
+def _apply(family: Family, model: nn.Module | None) -> None:
+    if model is None:
+        _apply_classes(family)
+    else:
+        _apply_instance(family, model)
+
+
 def _revert(family: Family, model: nn.Module | None) -> None:
     if model is None:
         _restore(_class_patches.pop(family.module, []))
@@ -292,10 +299,7 @@ def _revert(family: Family, model: nn.Module | None) -> None:
 def apply_to_qwen3_5_moe(model: nn.Module | None = None) -> None:
     """Our kernels in transformers' Qwen3.5-MoE: in the module (model=None; models built afterwards) or in
     `model`'s modules only. Idempotent. Raises ValueError when `model` has no Qwen3.5-MoE modules."""
-    if model is None:
-        _apply_classes(QWEN3_5_MOE)
-    else:
-        _apply_instance(QWEN3_5_MOE, model)
+    _apply(QWEN3_5_MOE, model)
 
 
 def revert_qwen3_5_moe(model: nn.Module | None = None) -> None:
@@ -305,10 +309,7 @@ def revert_qwen3_5_moe(model: nn.Module | None = None) -> None:
 
 def apply_to_qwen3_moe(model: nn.Module | None = None) -> None:
     """Our RMSNorm, rope, router and experts in transformers' Qwen3-MoE (see `apply_to_qwen3_5_moe`)."""
-    if model is None:
-        _apply_classes(QWEN3_MOE)
-    else:
-        _apply_instance(QWEN3_MOE, model)
+    _apply(QWEN3_MOE, model)
 
 
 def revert_qwen3_moe(model: nn.Module | None = None) -> None:
