@@ -41,8 +41,12 @@ def make_chunk_gated_delta_rule() -> Callable:
         chunk_indices=None,
         chunk_indices_list=None,
     ):
-        # VeOmni's NPU modeling also passes host copies of the offsets and its chunk tables
-        # (cu_seqlens_list, chunk_indices*): our kernels derive their chunk plan from cu_seqlens.
+        # VeOmni's NPU modeling also passes a host copy of the offsets (cu_seqlens_list: handed on, so the
+        # op reads none back from the device) and its chunk tables (chunk_indices*: our kernels derive
+        # their chunk plan from the offsets).
+        on_host = cu_seqlens_list is not None and not (
+            isinstance(cu_seqlens_list, torch.Tensor) and cu_seqlens_list.device.type != "cpu"
+        )
         return impl(
             q,
             k,
@@ -54,6 +58,7 @@ def make_chunk_gated_delta_rule() -> Callable:
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_list if on_host else None,
         )
 
     return _tag(chunk_gated_delta_rule, impl)

@@ -346,3 +346,23 @@ def test_log_prob_head_contract():
     entropy = torch.where(keep, -(logp_all.exp() * logp_all).sum(-1), 0.0)
     assert aux.log_probs.shape == labels.shape and aux.log_probs[0, -1] == 0 and aux.entropy[0, -1] == 0
     assert rel_rms(logp, aux.log_probs[0, :-1]) <= 1e-6 and rel_rms(entropy, aux.entropy[0, :-1]) <= 1e-6
+
+
+def test_gdn_slot_takes_veomni_host_offsets():
+    """VeOmni's NPU modeling passes the offsets' host copy as cu_seqlens_list: the GDN slot hands it to
+    the op as cu_seqlens_cpu (the same output as without it; a copy of the wrong length is refused,
+    so it is not dropped)."""
+    from verl_moe.integrations.adapters import make_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    T, H, HV, K, V = 9, 2, 4, 8, 8
+    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g, beta = -torch.rand(1, T, HV, generator=gen), torch.rand(1, T, HV, generator=gen)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    slot = make_chunk_gated_delta_rule()
+    ref, _ = slot(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    out, _ = slot(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_list=[0, 4, 9], use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="host copy"):
+        slot(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_list=[0, 9], use_qk_l2norm_in_kernel=True)
