@@ -404,12 +404,12 @@ class MoeDecoder:
 
 
 class StepGraphs:
-    """`MoeDecoder.step` captured once per (batch size, state version) as a device graph (CUDA
-    graphs, or torch_npu's NPUGraph), replayed on the same input buffers: a decode step then costs
-    one launch of host time instead of a few hundred.
+    """`MoeDecoder.step` (and what the caller does with its logits) captured once per (batch size,
+    key, state version) as a device graph (CUDA graphs, or torch_npu's NPUGraph), replayed on the
+    same input buffers: a decode step then costs one launch of host time instead of a few hundred.
 
     The caller keeps `tokens` and `active` in persistent buffers (their slices [0, B) are what a
-    graph reads) and consumes the returned logits before the next call (the graphs share one memory
+    graph reads) and consumes the returned outputs before the next call (the graphs share one memory
     pool, so their outputs may alias). Capturing runs the step twice eagerly first (kernel
     selection and autotuning happen there, not in the graph) with every slot inactive, so capturing
     at any time leaves the slots as they were.
@@ -421,37 +421,48 @@ class StepGraphs:
         if graph_class is None or not device.is_accelerator(decoder.device):
             raise ValueError(f"device graphs need a cuda or npu model, got {decoder.device}")
         self.decoder, self.module, self.graph_class = decoder, module, graph_class
-        self.graphs: dict[int, tuple] = {}  # B -> (graph, logits)
+        self.graphs: dict[tuple, tuple] = {}  # (B, key) -> (graph, outputs)
         self.version: int | None = None
         self.pool = None
 
-    def step(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor) -> torch.Tensor:
-        """As `MoeDecoder.step(tokens, state, active)`, through the graph captured for len(tokens)."""
+    def step(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor, then=None, key=None):
+        """As `MoeDecoder.step(tokens, state, active)`, or `then(logits)` of it, through the graph
+        captured for (len(tokens), key). `then` runs inside the graph: it may only read and write
+        tensors that outlive the graph, must leave inactive rows as they are, and is captured once
+        per key: the caller gives a new key (or calls `clear`) when what it would do changes."""
         if state.version != self.version:  # reallocated tensors: the old graphs read freed memory
             self.graphs, self.version = {}, state.version
-        B = tokens.numel()
-        if B not in self.graphs:
-            self.graphs[B] = self._capture(tokens, state, active)
-        graph, logits = self.graphs[B]
+        index = (tokens.numel(), key)
+        if index not in self.graphs:
+            self.graphs[index] = self._capture(tokens, state, active, then)
+        graph, outputs = self.graphs[index]
         graph.replay()
-        return logits
+        return outputs
 
-    def _capture(self, tokens, state, active):
+    def clear(self) -> None:
+        """Forget every graph (the tensors a `then` reads were reallocated)."""
+        self.graphs = {}
+
+    def _capture(self, tokens, state, active, then):
+        def run():
+            logits = self.decoder.step(tokens, state, active)
+            return logits if then is None else then(logits)
+
         saved = active.clone()
         active.zero_()
         stream = self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
             for _ in range(2):
-                self.decoder.step(tokens, state, active)
+                run()
         self.module.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = self.module.graph_pool_handle()
         graph = self.graph_class()
         with self.module.graph(graph, pool=self.pool):
-            logits = self.decoder.step(tokens, state, active)
+            outputs = run()
         active.copy_(saved)
-        return graph, logits
+        return graph, outputs
 
 
 __all__ = ["AttentionCache", "LinearCache", "MoeDecoder", "SlotState", "StepGraphs"]

@@ -10,8 +10,8 @@ the slots [0, B) (B a power of two covering the highest running slot) with an `a
 samples, records and detects the end of every sequence on the device; the host reads the slots back
 once per `sync_every` steps (one copy), then frees the finished slots and moves the highest running
 ones down into free lower slots, so B follows the number running. For a bf16 or fp32 model on cuda the
-model step runs as one device graph per B (`StepGraphs`; npu opts in with `device_graphs=True`);
-otherwise the same step runs eagerly.
+model step and the sampling after it run as one device graph per B and set of sampling steps in use
+(`StepGraphs`; npu opts in with `device_graphs=True`); otherwise the same step runs eagerly.
 
 Sampling streams: every sampled request draws its t-th token at `stream_uniform(stream, t)` of a
 stream of its own: its `seed` when it has one, else `stream_seed(seed, weights_version, prompt, key)`
@@ -24,6 +24,7 @@ which copy gets which one follows arrival unless the caller tells them apart wit
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -217,13 +218,13 @@ class GenerationEngine:
             chunk = min(steps, self.sync_every)
             B = _bucket(1 + max(i for i, r in enumerate(self._slots) if r is not None), len(self._slots))
             t, uses = self._t, self._uses()
+            tokens, active = t["tokens"][:B], t["active"][:B]
+            sample = functools.partial(self._sample, index=slice(0, B), active=active, uses=uses)
             for _ in range(chunk):
-                tokens, active = t["tokens"][:B], t["active"][:B]
-                if self.graphs is not None:
-                    logits = self.graphs.step(tokens, self._state, active)
+                if self.graphs is not None:  # the model step and the sampling in one graph
+                    self.graphs.step(tokens, self._state, active, then=sample, key=tuple(sorted(uses.items())))
                 else:
-                    logits = self.decoder.step(tokens, self._state, active)
-                self._sample(logits, slice(0, B), active, uses)
+                    sample(self.decoder.step(tokens, self._state, active))
             finished += self._collect()
             self._pack()
             steps -= chunk
@@ -294,6 +295,8 @@ class GenerationEngine:
         for k, t in self._t.items():
             new[k][tuple(slice(0, n) for n in t.shape)] = t
         self._t = new
+        if self.graphs is not None:  # they sample into the old tensors
+            self.graphs.clear()
         self._slots += [None] * (S2 - S)
         nbytes = self._state.nbytes
         logger.info(
@@ -322,6 +325,8 @@ class GenerationEngine:
         t["stops"][index] = stops.to(self.device)
         if any(p.repetition_penalty != 1.0 for p in params) and "seen" not in t:
             t["seen"] = torch.zeros(len(self._slots), self.vocab_size, dtype=torch.bool, device=self.device)
+            if self.graphs is not None:  # graphs captured without it would not record tokens into it
+                self.graphs.clear()
         if "seen" in t:
             seen = torch.zeros(len(new), self.vocab_size, dtype=torch.bool)
             for n, r in enumerate(new):
@@ -380,7 +385,7 @@ class GenerationEngine:
         stop = (tokens[:, None] == stops).any(-1) & (n >= t["min_tokens"][index])
         t["count"][index] = count + active
         t["active"][index] = active & ~(stop | (n >= t["max_tokens"][index]))
-        t["tokens"][index] = tokens
+        t["tokens"][index] = torch.where(active, tokens, t["tokens"][index])  # a graph's capture runs all-inactive
 
     def _mask_early_stops(self, logits, stops, early) -> torch.Tensor:
         """Rows below their min_tokens cannot sample a token that would end them (vLLM's rule)."""

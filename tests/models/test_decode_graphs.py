@@ -51,20 +51,32 @@ def test_graph_step_equals_eager_step(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_engine_with_graphs_equals_eager_engine(dtype):
-    """The rollout engine with graphs vs without, through slots that finish, free, take new requests
-    and pack down (several batch sizes, so several graphs): tokens and log-probs bitwise equal."""
+    """The rollout engine with graphs (model step and sampling captured together) vs without, through
+    slots that finish, free, take new requests and pack down (several batch sizes), with filters,
+    stop ids, min_tokens and, from the 12th request on, repetition penalties (several sets of sampling
+    steps, so several graphs per batch size, and a penalty mask that appears mid-run): tokens and
+    log-probs bitwise equal."""
     from verl_moe.engines.rollout.engine import GenerationEngine, Request
     from verl_moe.engines.rollout.sampling import SamplingParams
 
     model = _model(dtype)
     vocab = model.arch.vocab_size
-    requests = [
-        Request(
-            f"r{i}",
-            tuple((7 * i + 3 * j) % vocab for j in range(1 + i % 5)),
-            SamplingParams(max_tokens=1 + (5 * i) % 9, temperature=0.0 if i % 3 == 0 else 1.0, logprobs=True),
+
+    def params(i):
+        return SamplingParams(
+            max_tokens=1 + (5 * i) % 9,
+            temperature=0.0 if i % 3 == 0 else 1.0,
+            logprobs=True,
+            top_k=5 if i % 4 == 1 else -1,
+            top_p=0.8 if i % 5 == 2 else 1.0,
+            min_p=0.1 if i % 7 == 3 else 0.0,
+            min_tokens=2 if i % 7 == 3 else 0,
+            repetition_penalty=1.3 if i >= 12 and i % 2 == 0 else 1.0,
+            stop_token_ids=(i % vocab,) if i % 6 == 0 else (),
         )
-        for i in range(20)
+
+    requests = [
+        Request(f"r{i}", tuple((7 * i + 3 * j) % vocab for j in range(1 + i % 5)), params(i)) for i in range(20)
     ]
 
     def run(graphs: bool) -> dict:
