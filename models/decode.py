@@ -124,7 +124,7 @@ class MoeDecoder:
     state written into `slots`); `step(tokens [B], state, active [B])` -> logits [B, VOCAB] of those
     tokens for slots [0, B) (the active slots advance in place). Logits are in the model dtype.
     The step ops resolve once here: `gdn.step` by the usual rule (torch on CPU and for fp64
-    models), `conv1d.step` has only its torch implementation.
+    models), as does `conv1d.step`.
     """
 
     def __init__(self, model: MoeCausalLM, gdn_step_impl: str | None = None):
@@ -140,7 +140,7 @@ class MoeDecoder:
         linear = "linear_attention" in self.arch.layer_types
         auto = "torch" if dtype == torch.float64 else None
         self.gdn_step = resolve("gdn.step", gdn_step_impl or auto) if linear else None
-        self.conv_step = resolve("conv1d.step", "torch") if linear else None
+        self.conv_step = resolve("conv1d.step", auto) if linear else None
 
     # ---- the slots -----------------------------------------------------------------------------
 
@@ -315,9 +315,9 @@ class MoeDecoder:
         B = x.shape[0]
         x = x[:, 0]  # [B, D]
         conv_weight = gdn.conv1d.weight.squeeze(1)
-        conv = cache.conv[:B]
-        qkv, new_conv = self.conv_step(gdn.in_proj_qkv(x), conv, conv_weight, None, activation="silu")
-        conv.copy_(torch.where(active[:, None, None], new_conv, conv))
+        qkv, _ = self.conv_step(
+            gdn.in_proj_qkv(x), cache.conv[:B], conv_weight, None, activation="silu", active=active, inplace=True
+        )
         q, k, v = self._split_qkv(gdn, qkv[:, None])
         g, beta = self._gates(gdn, gdn.in_proj_a(x), gdn.in_proj_b(x))
         o, _ = self.gdn_step(

@@ -5,8 +5,9 @@ sequence start. Stepping one token x: window = [state | x] [C, W], out = act(sum
 window[:, w] + bias), state' = window[:, 1:]. Stepping a whole sequence from a zero state gives
 `causal_conv1d_ref` of that sequence; `conv1d_state_from_prefill` is the state a prefill leaves.
 
-The op resolves as `resolve("conv1d.step")` (IMPLS below). No Triton kernel: a step is one
-multiply-add over [N, C, W], which torch runs in a single fused pass on every device.
+The op resolves as `resolve("conv1d.step")` (IMPLS below): `causal_conv1d_step_ref` (torch, the CPU
+path) or `step_kernel.causal_conv1d_step_triton` (the cuda/npu default: one pass that reads each state
+once and, in place, writes it once; torch's form runs ~6 kernels over [N, C, W] copies).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from .reference import ACTIVATIONS
 
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
+    "triton": "verl_moe.ops.conv1d.step_kernel:causal_conv1d_step_triton",
 }
 
 
-def check_conv1d_step_inputs(x, conv_state, weight, bias, activation) -> None:
+def check_conv1d_step_inputs(x, conv_state, weight, bias, activation, active=None) -> None:
     """Raise ValueError for shapes, dtypes or activation the step cannot take."""
     if x.dim() != 2:
         raise ValueError(f"x must be [N, C], got {tuple(x.shape)}")
@@ -40,6 +42,8 @@ def check_conv1d_step_inputs(x, conv_state, weight, bias, activation) -> None:
         raise ValueError(f"bias must be [C] with C={C}, got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if active is not None and (active.dtype != torch.bool or tuple(active.shape) != (N,)):
+        raise ValueError(f"active must be a [N] = ({N},) bool tensor, got {tuple(active.shape)} {active.dtype}")
 
 
 def causal_conv1d_step_ref(
@@ -48,6 +52,8 @@ def causal_conv1d_step_ref(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
+    active: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance N sequences by one token each (the dispatched `conv1d.step` op).
 
@@ -56,13 +62,15 @@ def causal_conv1d_step_ref(
         conv_state: [N, C, W-1] the previous W-1 inputs of each sequence, oldest first.
         weight: [C, W] taps; tap W-1 multiplies the current token. bias: optional [C].
         activation: "silu" (alias "swish") or None.
+        active: optional [N] bool; an inactive row's state is returned (and left) as it was.
+        inplace: write the new state into `conv_state` and return it.
     Returns:
-        out: [N, C] in x's dtype (math in fp32, fp64 for fp64 inputs);
-        new_state: [N, C, W-1] in conv_state's dtype (a new tensor; the input is not written).
+        out: [N, C] in x's dtype (math in fp32, fp64 for fp64 inputs; an inactive row's is computed
+        all the same); new_state: [N, C, W-1] in conv_state's dtype (a new tensor unless `inplace`).
     Raises:
         ValueError: bad shapes, dtypes or activation.
     """
-    check_conv1d_step_inputs(x, conv_state, weight, bias, activation)
+    check_conv1d_step_inputs(x, conv_state, weight, bias, activation, active)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W], values as stored
     out = (window.to(cd) * weight.to(cd)).sum(-1)
@@ -70,7 +78,10 @@ def causal_conv1d_step_ref(
         out = out + bias.to(cd)
     if activation is not None:
         out = F.silu(out)
-    return out.to(x.dtype), window[..., 1:].to(conv_state.dtype)
+    new_state = window[..., 1:].to(conv_state.dtype)
+    if active is not None:
+        new_state = torch.where(active[:, None, None], new_state, conv_state)
+    return out.to(x.dtype), conv_state.copy_(new_state) if inplace else new_state
 
 
 def conv1d_state_from_prefill(

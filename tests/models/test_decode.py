@@ -247,3 +247,50 @@ def test_gdn_step_in_place_with_inactive_rows(impl):
         step(*args, s0.double(), inplace=True)
     with pytest.raises(ValueError, match="active must be"):
         step(*args, s0, active=active[:2])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("C,W,bias", [(10, 4, True), (300, 2, False)], ids=["C10-W4", "C300-W2"])
+def test_conv1d_step_triton_equals_fp64_reference(dtype, tol, C, W, bias):
+    """The Triton conv step (interpreter on CPU) vs the fp64 reference over three tokens (state carried;
+    C=300 spans several channel blocks with a ragged last one, W=2 holds a one-column state)."""
+    from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 3, C, generator=gen).to(dtype)
+    weight = torch.randn(C, W, generator=gen).to(dtype)
+    b = torch.randn(C, generator=gen).to(dtype) if bias else None
+    state = (torch.randn(3, C, W - 1, generator=gen)).to(dtype)
+    state_ref = state.double()
+    for t in range(3):
+        o_ref, state_ref = causal_conv1d_step_ref(
+            x[:, t].double(), state_ref, weight.double(), b.double() if bias else None, activation="silu"
+        )
+        o, state = causal_conv1d_step_triton(x[:, t], state, weight, b, activation="silu")
+        assert o.dtype == dtype and state.dtype == dtype
+        assert_rel_rms(f"triton conv step o t={t}", o_ref, o, tol)
+    assert torch.equal(state.double(), state_ref)  # the state holds inputs as they were: no arithmetic
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_conv1d_step_in_place_with_inactive_rows(impl):
+    """In place with an `active` mask: active rows get the out-of-place step's output and state
+    (bitwise: the same operations), inactive rows keep their state bitwise, the state tensor is the
+    one returned."""
+    from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
+
+    step = causal_conv1d_step_ref if impl == "torch" else causal_conv1d_step_triton
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(4, 12, generator=gen), torch.randn(12, 4, generator=gen)
+    s0 = torch.randn(4, 12, 3, generator=gen)
+    o_ref, s_ref = step(x, s0.clone(), weight)
+    active = torch.tensor([True, False, True, False])
+    state = s0.clone()
+    o, out = step(x, state, weight, active=active, inplace=True)
+    assert out is state
+    assert torch.equal(o[active], o_ref[active])
+    assert torch.equal(state[active], s_ref[active]) and torch.equal(state[~active], s0[~active])
+    _, new = step(x, s0.clone(), weight, active=active)  # out of place, masked
+    assert torch.equal(new[active], s_ref[active]) and torch.equal(new[~active], s0[~active])
+    with pytest.raises(ValueError, match="active must be"):
+        step(x, s0, weight, active=active[:2])

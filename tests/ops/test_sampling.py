@@ -1,10 +1,16 @@
-"""The sampling op (`ops/sampling/`): the reference against the textbook inverse CDF (one fp64 cumsum of
-softmax over the whole row) and log-softmax, the Triton kernel (interpreter on CPU, CUDA on the GPU)
-against the reference.
+"""The sampling op (`ops/sampling/`): the reference and the Triton kernel (interpreter on CPU, CUDA on the
+GPU) against the fp64 inverse CDF of the softmax.
 
-Tolerances: tokens equal (a draw changes only when its number lands within ~1e-7 of a CDF boundary:
-fixed seeds make the tests deterministic); log-probs of the drawn token within 1e-6 x (1 + |log-prob|):
-fp32 rounds x / T and the log-sum-exp at ~6e-8 of their size, log-probs here reach -30.
+Two fp32 implementations round differently, so they draw different tokens wherever a row's number lands
+within their rounding of a CDF boundary (at 248k tokens that is a few rows in a batch of 256): neither is
+compared token for token with the other. Each is checked against fp64 instead:
+- a greedy row takes the first argmax (exact: x / 1 is exact in any precision);
+- a sampled row's token t holds its number u inside [CDF(t-1), CDF(t)] (fp64, fractions of the total)
+  widened by delta = 8 x 2^-24 x (max|x| + V / 2048): each fp32 probability is off by at most ~4 x 2^-24
+  x max|x| (x / T, x - max and exp each round), and the fp32 running total adds a rounding per block of
+  >= 2048 tokens;
+- its log-prob is within 2^-20 x (1 + max|x| of its row) of fp64's log-softmax (fp32 rounds x and the
+  log-sum-exp at 2^-24 of their size, a few times over).
 """
 
 from __future__ import annotations
@@ -26,27 +32,27 @@ def _inputs(N, V, dtype=torch.float32, device="cpu", seed=0):
     return [t.to(device) for t in (logits, temperature, greedy, uniform)]
 
 
-def _assert_close(lps, ref):
-    err = (lps.double() - ref.double()).abs()
-    assert bool((err <= 1e-6 * (1 + ref.double().abs())).all()), err.max().item()
-
-
-def _textbook(logits, temperature, greedy, uniform):
+def _assert_valid_draws(tokens, lps, logits, temperature, greedy, uniform):
+    """The module docstring's three properties, against fp64."""
     x = logits.double() / temperature.double()[:, None]
-    cdf = torch.softmax(x, -1).cumsum(-1)
-    target = torch.minimum(uniform[:, None] * cdf[:, -1:], torch.nextafter(cdf[:, -1:], torch.zeros(1).double()))
-    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[1] - 1)
-    tokens = torch.where(greedy, x.argmax(-1), drawn)
-    return tokens, torch.log_softmax(x, -1).gather(-1, tokens[:, None])[:, 0]
+    logp = torch.log_softmax(x, -1)
+    p = logp.exp()
+    at = tokens[:, None]
+    hi = p.cumsum(-1).gather(1, at)[:, 0]  # CDF(t)
+    lo = hi - p.gather(1, at)[:, 0]  # CDF(t - 1)
+    delta = 8 * 2**-24 * (x.abs().max().item() + x.shape[1] / 2048)
+    assert torch.equal(tokens[greedy], x[greedy].argmax(-1))
+    inside = (lo - delta <= uniform) & (uniform <= hi + delta)
+    bad = (~inside & ~greedy).nonzero()[:, 0].tolist()
+    assert not bad, f"rows {bad}: u={uniform[bad].tolist()} outside [{lo[bad].tolist()}, {hi[bad].tolist()}]"
+    err = (lps.double() - logp.gather(1, at)[:, 0]).abs()
+    assert bool((err <= 2**-20 * (1 + x.abs().amax(-1))).all()), err.max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reference_is_the_inverse_cdf_of_softmax(dtype):
     args = _inputs(64, 2 * CDF_BLOCK + 300, dtype)
-    tokens, lps = sample_tokens_ref(*args)
-    ref_tokens, ref_lps = _textbook(*args)
-    assert torch.equal(tokens, ref_tokens)
-    _assert_close(lps, ref_lps)
+    _assert_valid_draws(*sample_tokens_ref(*args), *args)
 
 
 def test_two_level_cdf_skips_masked_tokens():
@@ -66,15 +72,12 @@ def test_two_level_cdf_skips_masked_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_kernel_equals_reference(dtype):
+def test_triton_kernel_draws_the_fp64_inverse_cdf(dtype):
     """Interpreter on CPU: rows over several kernel blocks (V not a multiple of the block)."""
     from verl_moe.ops.sampling.kernel import sample_tokens_triton
 
     args = _inputs(12, 9000, dtype)
-    tokens, lps = sample_tokens_triton(*args)
-    ref_tokens, ref_lps = sample_tokens_ref(*args)
-    assert torch.equal(tokens, ref_tokens)
-    _assert_close(lps, ref_lps)
+    _assert_valid_draws(*sample_tokens_triton(*args), *args)
 
 
 def test_bad_inputs_raise_one_line():
@@ -89,11 +92,10 @@ def test_bad_inputs_raise_one_line():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_kernel_equals_reference_at_the_real_vocabulary():
+def test_kernel_and_reference_draw_the_fp64_inverse_cdf_at_the_real_vocabulary():
     from verl_moe.ops.sampling.kernel import sample_tokens_triton
 
+    """Both the kernel and the reference at the real vocabulary (one batch of a decode step)."""
     args = _inputs(256, 248320, torch.bfloat16, "cuda")
-    tokens, lps = sample_tokens_triton(*args)
-    ref_tokens, ref_lps = sample_tokens_ref(*args)
-    assert torch.equal(tokens, ref_tokens)
-    _assert_close(lps, ref_lps)
+    _assert_valid_draws(*sample_tokens_triton(*args), *args)
+    _assert_valid_draws(*sample_tokens_ref(*args), *args)
