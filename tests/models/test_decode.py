@@ -249,18 +249,31 @@ def test_gdn_step_in_place_with_inactive_rows(impl):
         step(*args, s0, active=active[:2])
 
 
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("C,W,bias", [(10, 4, True), (300, 2, False)], ids=["C10-W4", "C300-W2"])
-def test_conv1d_step_triton_equals_fp64_reference(dtype, tol, C, W, bias):
-    """The Triton conv step (interpreter on CPU) vs the fp64 reference over three tokens (state carried;
-    C=300 spans several channel blocks with a ragged last one, W=2 holds a one-column state)."""
+@pytest.mark.parametrize(
+    "N,C,W,bias,device",
+    [
+        pytest.param(3, 10, 4, True, "cpu", id="C10-W4"),
+        pytest.param(3, 300, 2, False, "cpu", id="C300-W2"),
+        pytest.param(256, 8192, 4, False, "cuda", id="decode-step-cuda", marks=ON_CUDA),
+    ],
+)
+def test_conv1d_step_triton_equals_fp64_reference(dtype, tol, N, C, W, bias, device):
+    """The Triton conv step (interpreter on CPU; on CUDA at a decode step's shape) vs the fp64 reference
+    over three tokens (state carried; C=300 spans several channel blocks with a ragged last one, W=2
+    holds a one-column state)."""
     from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
 
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the interpreter cases run on CPU-only machines")
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 3, C, generator=gen).to(dtype)
-    weight = torch.randn(C, W, generator=gen).to(dtype)
-    b = torch.randn(C, generator=gen).to(dtype) if bias else None
-    state = (torch.randn(3, C, W - 1, generator=gen)).to(dtype)
+    x = torch.randn(N, 3, C, generator=gen).to(device, dtype)
+    weight = torch.randn(C, W, generator=gen).to(device, dtype)
+    b = torch.randn(C, generator=gen).to(device, dtype) if bias else None
+    state = (torch.randn(N, C, W - 1, generator=gen)).to(device, dtype)
     state_ref = state.double()
     for t in range(3):
         o_ref, state_ref = causal_conv1d_step_ref(
