@@ -9,9 +9,10 @@ metrics in the JSONL file the record names). Every report carries argv, versions
 it ran (`git_sha`, `source_sha`; `code_commit` where the recorded git sha was of a stale copy of the tree).
 A report this script does not recognise is an error, so results/ holds nothing that BENCHMARKS.md omits.
 
-Tables: one per op (`tool: bench`, every op but `model` and `rollout`), the model step (`op: model`, cases
-without `-ckpt`), memory (`op: model`, the `-ckpt` cases), decoding (`op: rollout`), the rollout (`tool:
-main_ppo`) and alignment (`tool: align`). Each table is followed by the command(s) that reproduce it and
+Tables: one per op (`tool: bench`, every op but `model`, `rollout` and the integrations), the model step
+(`op: model`, cases without `-ckpt`), memory (`op: model`, the `-ckpt` cases), our kernels inside the anchors'
+models (`op: veomni`, `op: transformers`), decoding (`op: rollout`), the rollout (`tool: main_ppo`) and
+alignment (`tool: align`). Each table is followed by the command(s) that reproduce it and
 where they ran. Current numbers only: a new measurement replaces the report it supersedes (same file
 name); history is git's. Supporting logs that docs/ cite (profiles, memory-peak replays) sit in
 results/logs/ and are not read here.
@@ -41,6 +42,9 @@ OP_TITLES = {
     "experts": "experts: routed SwiGLU experts (token moves + grouped GEMM)",
     "logprob": "logprob: LM head + temperature + log-prob + entropy without [N, VOCAB] logits",
 }
+# `verl-moe bench veomni` / `bench transformers` (integrations/*_bench.py): the anchor provider of each, the
+# one its other rows are compared with
+INTEGRATION_ANCHORS = {"veomni": "veomni", "transformers": "transformers"}
 VERSION_KEYS = ("torch", "triton", "transformers", "verl", "fla-core", "liger-kernel", "veomni", "megatron-core", "ray")
 
 
@@ -204,6 +208,39 @@ def model_section(reports: list[tuple[str, dict]]) -> str:
     ]
     right = set(range(2, len(header)))
     return f"{table(header, body, right)}\n\n{footer(reports)}"
+
+
+def integration_section(op: str, reports: list[tuple[str, dict]]) -> str:
+    """One table per integration bench: per case, each provider's step against the anchor's (same process)."""
+    rows = [r for _, rep in reports for r in rep["rows"]]
+    ours = _ours(rows[0]) or "ours"
+    anchor_name = INTEGRATION_ANCHORS[op]
+    anchors = {(r["case"], r["mode"]): r for r in rows if r["provider"] == anchor_name}
+    fla = any("fla" in r for r in rows)
+    # integrations/bench.py::step_row divides models/flops.py's count (the rows do not carry it)
+    header = ["case", "provider"] + (["fla"] if fla else []) + ["ms", "kernel ms", "tokens/s", "MFU (model FLOPs)"]
+    header += ["peak GiB", "loss rel. diff", "tokens/s / anchor's", "peak / anchor's"]
+    body = []
+    for r in rows:
+        anchor = anchors.get((r["case"], r["mode"]))
+        line = [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
+        if fla:
+            line.append("yes" if r.get("fla") else "no")
+        line += [
+            num(r["ms"]),
+            num(r.get("kernel_ms")),
+            num(r["tokens_per_s"]),
+            pct(r["mfu"]),
+            num(r["peak_gib"], 3),
+            sci(r["rel_rms_vs_ref"]),
+            f"{num(r['tokens_per_s'] / anchor['tokens_per_s'], 3)}x" if anchor else "-",
+            num(r["peak_gib"] / anchor["peak_gib"], 3) if anchor else "-",
+        ]
+        body.append(line)
+    right = {i for i, h in enumerate(header) if h not in ("case", "provider", "fla")}
+    skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
+    note = "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
+    return f"{table(header, body, right)}{note}\n\n{footer(reports)}"
 
 
 def _units(row: dict) -> str:
@@ -370,7 +407,8 @@ def load() -> dict[str, dict]:
 
 def render(reports: dict[str, dict]) -> str:
     bench = [(n, r) for n, r in reports.items() if r["tool"] == "bench"]
-    ops = [(n, r) for n, r in bench if r["op"] not in ("model", "rollout")]
+    ops = [(n, r) for n, r in bench if r["op"] not in ("model", "rollout", *INTEGRATION_ANCHORS)]
+    integrations = {op: [(n, r) for n, r in bench if r["op"] == op] for op in INTEGRATION_ANCHORS}
     decode = [(n, r) for n, r in bench if r["op"] == "rollout"]
     model = [(n, r) for n, r in bench if r["op"] == "model"]
     step = [(n, r) for n, r in model if not any(row["case"].endswith("-ckpt") for row in r["rows"])]
@@ -409,6 +447,35 @@ def render(reports: dict[str, dict]) -> str:
             "steps (zeroed in place), so the activation peak is the step's peak above the weights and their "
             "gradients. Each row is its own process (one report each).",
             memory_section(memory),
+        ]
+    if any(integrations.values()):
+        sections += [
+            "## Our kernels inside the anchors' models",
+            "The model step's reduced Qwen3.5-MoE (same config, weights and bf16; one training step: forward with "
+            "the next-token loss, backward) run by another project's model code, each pair from the same weights "
+            "in one process (docs/integrations.md). Peak = the provider's weights + the step's peak above them; "
+            "the last two columns divide by the anchor's row of the same case (`veomni`, `transformers`). MFU "
+            "divides models/flops.py's count by 790 TFLOP/s.",
+        ]
+    if integrations["veomni"]:
+        sections += [
+            "### VeOmni's model: `verl_moe` in every slot vs VeOmni's default GPU kernels",
+            "`verl-moe bench veomni` (integrations/veomni_bench.py): VeOmni 0.1.12's `build_foundation_model`, "
+            "sdpa attention, its Triton load-balancing loss in both; `verl_moe` = our op in every served slot "
+            "(GDN, conv1d, RMSNorm, gated RMSNorm, MoE experts, fused cross-entropy head), `veomni` = fla GDN / "
+            "conv / gated norm, Liger RMSNorm and fused cross-entropy, VeOmni's Triton group-GEMM MoE. The N16 "
+            "case packs 16 sequences (`cu_seq_lens_q/k`).",
+            integration_section("veomni", integrations["veomni"]),
+        ]
+    if integrations["transformers"]:
+        sections += [
+            "### transformers' model: `apply_to_qwen3_5_moe` vs unpatched",
+            "`verl-moe bench transformers` (integrations/transformers_bench.py): `Qwen3_5MoeForCausalLM`, sdpa "
+            "attention, grouped_mm experts where not patched, full logits and the loss in fp32; `verl_moe` = "
+            "patched, `transformers` = unpatched with fla's GDN kernels and gated norm (`fla`: fla in the step), "
+            "`transformers_torch` = unpatched on transformers' torch GatedDeltaNet. One sequence per case "
+            "(transformers' GatedDeltaNet ignores packing).",
+            integration_section("transformers", integrations["transformers"]),
         ]
     if decode:
         sections += [
