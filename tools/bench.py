@@ -167,7 +167,9 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                     row[f"ratio_{ours}_over_this"] = timings[ours][0] / row["ms"]
                     if row["kernel_ms"] == row["kernel_ms"]:  # measured (cuda)
                         row[f"kernel_ratio_{ours}_over_this"] = timings[ours][1] / row["kernel_ms"]
-            del inputs
+            # drop every reference to this case's tensors (the last partial holds the inputs, and
+            # through them a model bench's models) before the next case allocates its own
+            inputs = ref_out = call = None
             device.empty_cache()
             _write(report, cfg.json_path)
     _write(report, cfg.json_path)
