@@ -165,24 +165,36 @@ class MoeDecoder:
     # ---- prefill -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]) -> torch.Tensor:
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        state: SlotState,
+        slots: Sequence[int],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Run the prompts packed in one row (cu_seqlens) and write their state into `slots`.
 
         Args:
-            prompts: N non-empty token-id lists, each at most the state's capacity.
+            prompts: N non-empty token-id lists.
             state: the slots' state; slots: N distinct slot indices the prompts take.
+            starts: tokens each slot already holds (default none: fresh slots). A prompt with a start
+                > 0 continues its slot from there (a long prompt prefilled in chunks: the chunk's
+                attention reads the slot's cached keys, its conv and GDN state continue the slot's).
         Returns:
             logits [N, VOCAB] at each prompt's last token.
         Raises:
-            ValueError: no prompts, an empty or too long prompt, a token id outside the vocabulary,
-                or slots that are not N distinct indices of the state.
+            ValueError: no prompts, an empty prompt or one past the state's capacity, a token id
+                outside the vocabulary, slots that are not N distinct indices of the state, or bad starts.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt, each with at least one token")
         S = state.num_slots
         if len(slots) != len(prompts) or len(set(slots)) != len(slots) or not all(0 <= s < S for s in slots):
             raise ValueError(f"slots must be {len(prompts)} distinct indices below {S}, got {list(slots)}")
-        longest, capacity = max(len(p) for p in prompts), state.capacity
+        starts = [0] * len(prompts) if starts is None else [int(s) for s in starts]
+        if len(starts) != len(prompts) or min(starts) < 0:
+            raise ValueError(f"starts must be {len(prompts)} non-negative token counts, got {starts}")
+        longest, capacity = max(s + len(p) for s, p in zip(starts, prompts)), state.capacity
         if capacity is not None and longest > capacity:
             raise ValueError(f"prompt of {longest} tokens exceeds the slots' capacity of {capacity} positions")
         device = self.device
@@ -193,11 +205,12 @@ class MoeDecoder:
         cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         cu_cpu = cu.tolist()  # the offsets as host ints: the ops read none back from the device
-        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths.tolist())])
         slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
         token_slot = slot_index.repeat_interleave(lengths.to(device))  # [T] the slot of each token
         token_pos = positions.to(device)
         ids, positions, cu = ids[None].to(device), positions[None].to(device), cu.to(device)
+        fresh = not any(starts)
 
         text = self.model.model
         hidden = text.embed_tokens(ids)
@@ -207,11 +220,15 @@ class MoeDecoder:
         def mixer(layer, x):
             cache = next(caches)
             if layer.layer_type == "linear_attention":
-                return self._gdn_prefill(layer.linear_attn, x, (cu, cu_cpu), cache, slot_index)
-            return self._attention_prefill(layer.self_attn, x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos)
+                return self._gdn_prefill(
+                    layer.linear_attn, x, (cu, cu_cpu), cache, slot_index, None if fresh else starts
+                )
+            if fresh:
+                return self._attention_prefill(layer.self_attn, x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos)
+            return self._attention_continue(layer.self_attn, x, cos, sin, cu_cpu, cache, token_slot, token_pos, starts)
 
         hidden, residual = self._layers(hidden, mixer)
-        state.lengths[slot_index] = lengths.to(device)
+        state.lengths[slot_index] = lengths.to(device) + torch.tensor(starts, device=device)
         last = cu[1:].long() - 1  # each prompt's last token
         return self._logits(hidden[0, last], residual[0, last])
 
@@ -223,13 +240,52 @@ class MoeDecoder:
         cache.v[token_slot, :, token_pos] = v[0]
         return self._attention_out(attn, o, gate)
 
-    def _gdn_prefill(self, gdn: GatedDeltaNet, x, offsets, cache: LinearCache, slot_index):
+    def _attention_continue(
+        self, attn: Attention, x, cos, sin, cu_cpu, cache: AttentionCache, token_slot, token_pos, starts
+    ):
+        """Chunks that continue their slots: each chunk's queries attend to its slot's cached keys and to
+        its own causally, one SDPA per chunk (the grouped heads as query rows, as in `_attention_step`)."""
+        q, k, v, gate = self._attention_qkv(attn, x, cos, sin)
+        cache.k[token_slot, :, token_pos] = k[0]
+        cache.v[token_slot, :, token_pos] = v[0]
+        HKV, group, K = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim
+        outs = []
+        for n, start in enumerate(starts):
+            a, b = cu_cpu[n], cu_cpu[n + 1]
+            slot, end = int(token_slot[a]), start + b - a
+            qg = q[0, a:b].transpose(0, 1).reshape(HKV, group * (b - a), K)  # rows: (head in group, token)
+            query_pos = start + torch.arange(b - a, device=x.device).repeat(group)
+            visible = torch.arange(end, device=x.device)[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qg, cache.k[slot, :, :end], cache.v[slot, :, :end], attn_mask=visible, scale=K**-0.5
+            )  # [HKV, group * T_n, V]
+            outs.append(o.reshape(attn.num_heads, b - a, -1).transpose(0, 1))
+        return self._attention_out(attn, torch.cat(outs)[None], gate)
+
+    def _gdn_prefill(self, gdn: GatedDeltaNet, x, offsets, cache: LinearCache, slot_index, starts=None):
+        """The GatedDeltaNet mixer over packed prompts, from fresh slots or (starts given) continuing each
+        slot's conv and recurrent state: the conv runs over each chunk with its slot's last W-1 inputs
+        in front (zeros for a fresh slot), and the chunked rule starts from its slot's state."""
         B, T, _ = x.shape
         cu, cu_cpu = offsets
         mixed_qkv = gdn.in_proj_qkv(x)
         conv_weight = gdn.conv1d.weight.squeeze(1)
+        initial_state = None
+        if starts is not None:
+            W1, N = conv_weight.shape[1] - 1, len(starts)
+            continued = torch.tensor(starts, device=x.device)[:, None, None] > 0
+            before = torch.where(continued, cache.conv[slot_index], 0).transpose(1, 2)  # [N, W-1, C]
+            pieces = [t for n in range(N) for t in (before[n], mixed_qkv[0, cu_cpu[n] : cu_cpu[n + 1]])]
+            mixed_qkv = torch.cat(pieces)[None]  # each chunk with its W-1 inputs in front
+            cu_cpu = [c + W1 * n for n, c in enumerate(cu_cpu)]
+            cu = torch.tensor(cu_cpu, dtype=torch.int32, device=x.device)
+            keep = torch.cat([torch.arange(a + W1, b) for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]).to(x.device)
+            initial_state = torch.where(continued[..., None], cache.recurrent[slot_index], 0)
         cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu, cu_seqlens_cpu=cu_cpu)
         qkv = gdn.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        if starts is not None:  # back to the chunks' own tokens and offsets
+            qkv, cu_cpu = qkv[:, keep], offsets[1]
+            cu = offsets[0]
         q, k, v = self._split_qkv(gdn, qkv)
         g, beta = self._gates(gdn, gdn.in_proj_a(x), gdn.in_proj_b(x))
         o, final = gdn.ops.gdn(
@@ -239,7 +295,7 @@ class MoeDecoder:
             g,
             beta,
             scale=None,
-            initial_state=None,
+            initial_state=initial_state,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,

@@ -4,7 +4,8 @@
 The engine holds up to `max_num_seqs` slots: the decode state (KV caches, conv and recurrent states)
 and each slot's sampling settings, next token, token count and outputs live in tensors on the
 model's device, allocated for as many slots and positions as the requests so far needed (grown
-geometrically, rarely). New requests are prefilled together (one packed forward) into free slots
+geometrically, rarely). New requests are prefilled together (packed forwards of at most `max_prefill_tokens`
+tokens; a longer prompt alone, in chunks) into free slots
 and sample their first token; `step(k)` advances the running slots by up to k tokens. A step runs
 the slots [0, B) (B a power of two covering the highest running slot) with an `active` mask and
 samples, records and detects the end of every sequence on the device; the host reads the slots back
@@ -122,7 +123,7 @@ class GenerationEngine:
         sync_every: decode steps between two reads of the slots by the host (a finished slot is
             freed at the next read: at most sync_every - 1 idle steps for it).
         max_prefill_tokens: prompt tokens per packed prefill forward (an admission of more runs in
-            several; a longer prompt alone).
+            several; a longer prompt alone, in chunks of this many).
         device_graphs: run the decode step as device graphs (cuda, or npu through torch_npu: not run);
             None: for a bf16 or fp32 model on cuda.
     """
@@ -190,10 +191,12 @@ class GenerationEngine:
         for i, r in zip(slots, new):
             self._slots[i] = r
         uses = self._uses()
+        C = self.max_prefill_tokens
         for group in self._prefill_groups(requests):
-            logits = self.decoder.prefill(
-                [list(requests[n].prompt_ids) for n in group], self._state, [slots[n] for n in group]
-            )
+            prompts, at = [list(requests[n].prompt_ids) for n in group], [slots[n] for n in group]
+            logits = self.decoder.prefill([p[:C] for p in prompts], self._state, at)
+            for start in range(C, len(prompts[0]), C):  # a longer prompt is alone: its next chunks
+                logits = self.decoder.prefill([prompts[0][start : start + C]], self._state, at, starts=[start])
             index = torch.tensor([slots[n] for n in group], dtype=torch.long, device=self.device)
             self._t["active"][index] = True
             self._sample(logits, index, self._t["active"][index], uses)
@@ -201,8 +204,8 @@ class GenerationEngine:
 
     def _prefill_groups(self, requests: Sequence[Request]) -> list[list[int]]:
         """Consecutive groups of request positions whose prompts together hold at most
-        `max_prefill_tokens` tokens (a longer prompt alone), so a large admission's packed forward
-        stays within that many tokens of activations."""
+        `max_prefill_tokens` tokens (a longer prompt alone, prefilled in chunks of that many), so every
+        packed forward stays within that many tokens of activations."""
         groups, tokens = [[]], 0
         for n, r in enumerate(requests):
             if groups[-1] and tokens + len(r.prompt_ids) > self.max_prefill_tokens:

@@ -66,16 +66,17 @@ def test_slots_are_freed_reused_and_each_request_decodes_as_alone():
     _assert_same(done, _alone(model, requests))
 
 
-def test_prefill_in_token_bounded_groups_decodes_as_one_prefill():
-    """An admission split into prefill forwards of at most 4 prompt tokens (a longer prompt alone) gives
-    every request the tokens of one packed prefill of all of them."""
+def test_prefill_in_token_bounded_groups_and_chunks_decodes_as_one_prefill():
+    """An admission split into prefill forwards of at most 3 prompt tokens (a longer prompt alone, in
+    chunks of 3) gives every request the tokens and log-probs of one packed prefill of all of them."""
     model = _model()
     requests = _requests(12)
+    requests.append(Request("long", tuple(range(1, 12)), SamplingParams(max_tokens=6, logprobs=True)))
     one = {c.request_id: c for c in GenerationEngine(model, [], seed=3).generate(requests)}
-    engine = GenerationEngine(model, [], seed=3, max_prefill_tokens=4)
+    engine = GenerationEngine(model, [], seed=3, max_prefill_tokens=3)
     groups = engine._prefill_groups(requests)
-    assert [n for g in groups for n in g] == list(range(12)) and len(groups) > 1
-    assert all(len(g) == 1 or sum(len(requests[n].prompt_ids) for n in g) <= 4 for g in groups)
+    assert [n for g in groups for n in g] == list(range(13)) and len(groups) > 1
+    assert all(len(g) == 1 or sum(len(requests[n].prompt_ids) for n in g) <= 3 for g in groups)
     _assert_same(engine.generate(requests), one)
 
 

@@ -103,6 +103,35 @@ def test_slots_step_independently_of_where_and_when_they_were_filled():
     assert_rel_rms("moved and grown slots' step", decoder.step(tokens, together), step_moved[:3], 1e-6)
 
 
+@pytest.mark.parametrize("make_config", [tiny_qwen3_5_moe_text, tiny_qwen3_moe], ids=["qwen3_5_moe", "qwen3_moe"])
+def test_prefill_in_chunks_continues_the_slot(make_config):
+    """A prompt prefilled in chunks (4, then 1: shorter than the conv's W-1, then 4 more), each chunk
+    continuing its slot beside a fresh prompt prefilled with it, gives the logits of the whole prompt
+    prefilled at once, and the same decode steps after it."""
+    model = _model(make_config())
+    decoder = MoeDecoder(model)
+    prompt, other = PROMPTS[2], PROMPTS[0]
+    whole = decoder.allocate(3, 16)
+    ref = decoder.prefill([prompt, other], whole, [1, 2])
+    chunked = decoder.allocate(3, 16)
+    decoder.prefill([prompt[:4]], chunked, [1])
+    decoder.prefill([prompt[4:5], other], chunked, [1, 2], starts=[4, 0])
+    logits = decoder.prefill([prompt[5:]], chunked, [1], starts=[5])
+    assert_rel_rms("chunked prefill logits", ref[0], logits[0], 1e-5)
+    assert chunked.lengths.tolist() == whole.lengths.tolist()
+    tokens = torch.zeros(3, dtype=torch.long)
+    tokens[1:] = ref.argmax(-1)
+    active = torch.tensor([False, True, True])
+    for _ in range(3):
+        step_ref, step = decoder.step(tokens, whole, active), decoder.step(tokens, chunked, active)
+        assert_rel_rms("steps after a chunked prefill", step_ref[1:], step[1:], 1e-5)
+        tokens = torch.where(active, step_ref.argmax(-1), 0)
+    with pytest.raises(ValueError, match="starts must be"):
+        decoder.prefill([prompt[:2]], chunked, [1], starts=[-1])
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.prefill([prompt], chunked, [1], starts=[12])
+
+
 def test_decode_rejects_bad_inputs():
     decoder = MoeDecoder(_model(tiny_qwen3_moe()))
     state = decoder.allocate(2, 4)
