@@ -4,9 +4,11 @@
 The engine holds up to `max_num_seqs` slots: the decode state (KV caches, conv and recurrent states)
 and each slot's sampling settings, next token, token count and outputs live in tensors on the
 model's device, allocated for as many slots and positions as the requests so far needed (grown
-geometrically, rarely). New requests are prefilled together (packed forwards of at most `max_prefill_tokens`
-tokens; a longer prompt alone, in chunks) into free slots
-and sample their first token; `step(k)` advances the running slots by up to k tokens. A step runs
+geometrically, rarely). New requests are prefilled together (packed forwards of at most
+`max_prefill_tokens` tokens) into free slots and sample their first token; a longer prompt takes a
+slot with its first chunk, and its next chunks run one per `sync_every` decode steps of the others
+(so a long prompt does not stall the running requests), the request decoding once its last chunk is
+in. `step(k)` advances the running slots by up to k tokens. A step runs
 the slots [0, B) (B a power of two covering the highest running slot) with an `active` mask and
 samples, records and detects the end of every sequence on the device; the host reads the slots back
 once per `sync_every` steps (one copy), then frees the finished slots and moves the highest running
@@ -91,6 +93,11 @@ class Completion:
 class _Running:
     request: Request
     stream: int | None  # None: greedy
+    prefilled: int | None = None  # prompt tokens in the slot while a long prompt's chunks are pending
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled is None
 
 
 # Per-slot tensors beside the sampling settings: name -> (dtype, value of an empty slot).
@@ -193,14 +200,32 @@ class GenerationEngine:
         uses = self._uses()
         C = self.max_prefill_tokens
         for group in self._prefill_groups(requests):
-            prompts, at = [list(requests[n].prompt_ids) for n in group], [slots[n] for n in group]
-            logits = self.decoder.prefill([p[:C] for p in prompts], self._state, at)
-            for start in range(C, len(prompts[0]), C):  # a longer prompt is alone: its next chunks
-                logits = self.decoder.prefill([prompts[0][start : start + C]], self._state, at, starts=[start])
-            index = torch.tensor([slots[n] for n in group], dtype=torch.long, device=self.device)
-            self._t["active"][index] = True
-            self._sample(logits, index, self._t["active"][index], uses)
+            at = [slots[n] for n in group]
+            logits = self.decoder.prefill([list(requests[n].prompt_ids[:C]) for n in group], self._state, at)
+            if len(requests[group[0]].prompt_ids) > C:  # a longer prompt is alone: its next chunks join the steps
+                self._slots[at[0]].prefilled = C
+                continue
+            self._start_decoding(logits, at, uses)
         return self._collect(only=slots)
+
+    def _start_decoding(self, logits: torch.Tensor, slots: list[int], uses: dict[str, bool]) -> None:
+        """Slots whose prompts are in: sample their first tokens from `logits` and let them run."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._t["active"][index] = True
+        self._sample(logits, index, self._t["active"][index], uses)
+
+    def _prefill_next_chunk(self) -> None:
+        """The next chunk of one long prompt still being prefilled (the lowest such slot); its last
+        chunk starts the request decoding."""
+        i, r = next(((i, r) for i, r in enumerate(self._slots) if r is not None and not r.decoding), (None, None))
+        if r is None:
+            return
+        C, prompt = self.max_prefill_tokens, r.request.prompt_ids
+        logits = self.decoder.prefill([list(prompt[r.prefilled : r.prefilled + C])], self._state, [i], [r.prefilled])
+        r.prefilled += C
+        if r.prefilled >= len(prompt):
+            r.prefilled = None
+            self._start_decoding(logits, [i], self._uses())
 
     def _prefill_groups(self, requests: Sequence[Request]) -> list[list[int]]:
         """Consecutive groups of request positions whose prompts together hold at most
@@ -218,6 +243,9 @@ class GenerationEngine:
         """Advance every running sequence by up to `steps` tokens; returns those that finished."""
         finished: list[Completion] = []
         while steps > 0 and self.num_running:
+            self._prefill_next_chunk()  # one chunk of a long prompt per sync_every steps of the others
+            if not any(r is not None and r.decoding for r in self._slots):
+                continue  # only prompts being prefilled: their chunks run back to back
             chunk = min(steps, self.sync_every)
             B = _bucket(1 + max(i for i, r in enumerate(self._slots) if r is not None), len(self._slots))
             t, uses = self._t, self._uses()
@@ -402,6 +430,8 @@ class GenerationEngine:
         """Read the slots back (one copy): the running requests among `only` (default all) that
         finished, or all of them when `abort`, as Completions; their slots are freed."""
         candidates = [i for i in (range(len(self._slots)) if only is None else only) if self._slots[i] is not None]
+        if not abort:  # a prompt still being prefilled has not started
+            candidates = [i for i in candidates if self._slots[i].decoding]
         if not candidates:
             return []
         index = torch.tensor(candidates, dtype=torch.long, device=self.device)

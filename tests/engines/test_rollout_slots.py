@@ -80,6 +80,32 @@ def test_prefill_in_token_bounded_groups_and_chunks_decodes_as_one_prefill():
     _assert_same(engine.generate(requests), one)
 
 
+def test_long_prompt_prefills_in_chunks_between_the_others_steps():
+    """A prompt of 11 tokens with 3-token prefills takes its slot with its first chunk and prefills one
+    more chunk per sync_every steps of the running requests (they keep decoding meanwhile); every
+    request, the long one included, gets the tokens and log-probs of its generation alone."""
+    model = _model()
+    long = Request("long", tuple(range(1, 12)), SamplingParams(max_tokens=5, temperature=1.0, logprobs=True))
+    short = [Request(f"s{i}", (i + 1, 2 * i + 3), SamplingParams(max_tokens=9, logprobs=True)) for i in range(3)]
+    engine = GenerationEngine(model, [], seed=3, max_prefill_tokens=3, sync_every=2)
+
+    def prefilled():
+        return next(r.prefilled for r in engine._slots if r is not None and r.request.request_id == "long")
+
+    done = engine.add(short + [long])
+    assert prefilled() == 3 and engine.num_running == 4
+    counts = engine._t["count"].tolist()
+    done += engine.step(2)
+    assert prefilled() == 6
+    assert sum(engine._t["count"].tolist()) == sum(counts) + 2 * 3  # the others stepped twice meanwhile
+    while engine.num_running:
+        done += engine.step(2)
+    _assert_same(done, _alone(model, short + [long]))
+    engine.add([Request("again", long.prompt_ids, long.params)])
+    aborted = engine.abort_all()  # a prompt still being prefilled aborts with nothing generated
+    assert [(c.request_id, c.token_ids, c.finish_reason) for c in aborted] == [("again", [], "abort")]
+
+
 def test_running_slots_are_packed_down_when_low_ones_finish():
     """Eight slots, the first six finish after one token: the two long requests move to slots 0 and 1
     (so steps run at batch 2) and still decode as alone."""
