@@ -91,6 +91,28 @@ def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_pat
     ]
 
 
+def test_a_case_is_freed_before_the_next_one_allocates(monkeypatch):
+    """When a (case, mode)'s inputs are made, nothing holds the previous one's any more (on a GPU, a
+    model bench's next case would otherwise run beside the last one's models)."""
+    import gc
+    import weakref
+
+    real_make_inputs = logprob_bench.make_inputs
+    made = []
+
+    def make_inputs(case, dev):
+        gc.collect()
+        assert all(ref() is None for ref in made), "the previous case's inputs are still referenced"
+        inputs = real_make_inputs(case, dev)
+        made.append(weakref.ref(inputs["hidden"]))
+        return inputs
+
+    monkeypatch.setattr(logprob_bench, "CASES", [TINY, {**TINY, "id": "second"}])
+    monkeypatch.setattr(logprob_bench, "make_inputs", make_inputs)
+    bench.run(bench.BenchConfig(op="logprob", providers=PROVIDERS[:2], warmup=1, reps=1))
+    assert len(made) == 4  # two cases x two modes
+
+
 def test_source_sha_names_the_code_not_its_location(tmp_path):
     from verl_moe.tools.provenance import PACKAGE_PARTS, source_sha
 
