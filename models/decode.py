@@ -225,7 +225,8 @@ class MoeDecoder:
                 )
             if fresh:
                 return self._attention_prefill(layer.self_attn, x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos)
-            return self._attention_continue(layer.self_attn, x, cos, sin, cu_cpu, cache, token_slot, token_pos, starts)
+            chunks = list(zip(slots, starts))
+            return self._attention_continue(layer.self_attn, x, cos, sin, cu_cpu, cache, token_slot, token_pos, chunks)
 
         hidden, residual = self._layers(hidden, mixer)
         state.lengths[slot_index] = lengths.to(device) + torch.tensor(starts, device=device)
@@ -241,18 +242,19 @@ class MoeDecoder:
         return self._attention_out(attn, o, gate)
 
     def _attention_continue(
-        self, attn: Attention, x, cos, sin, cu_cpu, cache: AttentionCache, token_slot, token_pos, starts
+        self, attn: Attention, x, cos, sin, cu_cpu, cache: AttentionCache, token_slot, token_pos, chunks
     ):
-        """Chunks that continue their slots: each chunk's queries attend to its slot's cached keys and to
-        its own causally, one SDPA per chunk (the grouped heads as query rows, as in `_attention_step`)."""
+        """Chunks that continue their slots (chunks: (slot, start) per prompt): each chunk's queries
+        attend to its slot's cached keys and to its own causally, one SDPA per chunk (the grouped heads
+        as query rows, as in `_attention_step`)."""
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)
         cache.k[token_slot, :, token_pos] = k[0]
         cache.v[token_slot, :, token_pos] = v[0]
         HKV, group, K = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim
         outs = []
-        for n, start in enumerate(starts):
+        for n, (slot, start) in enumerate(chunks):
             a, b = cu_cpu[n], cu_cpu[n + 1]
-            slot, end = int(token_slot[a]), start + b - a
+            end = start + b - a
             qg = q[0, a:b].transpose(0, 1).reshape(HKV, group * (b - a), K)  # rows: (head in group, token)
             query_pos = start + torch.arange(b - a, device=x.device).repeat(group)
             visible = torch.arange(end, device=x.device)[None, :] <= query_pos[:, None]
