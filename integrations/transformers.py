@@ -3,9 +3,11 @@
 `apply_to_qwen3_5_moe(model=None)` replaces, in `transformers.models.qwen3_5_moe.modeling_qwen3_5_moe`:
 GatedDeltaNet's chunked gated delta rule and causal conv1d, the (1 + weight) RMSNorm, GatedDeltaNet's gated
 RMSNorm, the attention's `apply_rotary_pos_emb` (partial, interleaved mRoPE), the top-k router (fp32
-routing) and the routed experts. `apply_to_qwen3_moe` does the same for Qwen3-MoE's RMSNorm, rope, router
-and experts. Vision towers, attention itself, the decode-step kernels of a generation cache and the LM
-head keep transformers' code (docs/integrations.md).
+routing) and the routed experts, and gives the causal LM's forward our fused LM head + log-prob op for its
+loss when it gets labels (no [tokens, vocab] logits are formed; the output's `logits` is then empty,
+[batch, 0, vocab], as a fused-loss forward returns none). `apply_to_qwen3_moe` does the same for Qwen3-MoE's
+RMSNorm, rope, router, experts and loss. Vision towers, attention itself, the decode-step kernels of a
+generation cache and the LM head's logits (without labels) keep transformers' code (docs/integrations.md).
 
 - `model=None` patches the module: the classes' forwards and the module-level kernels that
   GatedDeltaNet's constructor picks up, so models built afterwards (and the class-level parts of existing
@@ -35,6 +37,8 @@ import types
 import weakref
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import adapters
@@ -52,6 +56,7 @@ class Family:
     router: str
     experts: str
     norm_topk_prob: bool | None  # None: the router module's own flag
+    causal_lm: str  # the causal LM class, whose forward computes the loss
     gdn: str | None = None  # GatedDeltaNet class (Qwen3.5)
     gated_norm: str | None = None
 
@@ -65,6 +70,7 @@ QWEN3_5_MOE = Family(
     router="Qwen3_5MoeTopKRouter",
     experts="Qwen3_5MoeExperts",
     norm_topk_prob=True,  # transformers' Qwen3.5 router always renormalises its top-k
+    causal_lm="Qwen3_5MoeForCausalLM",
     gdn="Qwen3_5MoeGatedDeltaNet",
     gated_norm="Qwen3_5MoeRMSNormGated",
 )
@@ -77,6 +83,7 @@ QWEN3_MOE = Family(
     router="Qwen3MoeTopKRouter",
     experts="Qwen3MoeExperts",
     norm_topk_prob=None,
+    causal_lm="Qwen3MoeForCausalLM",
 )
 
 # what was replaced, to put back: module -> [(owner, attribute, previous value or _MISSING)]
@@ -106,6 +113,44 @@ def _kernels(family: Family) -> dict:
         kernels["conv"] = adapters.make_causal_conv1d_bct()
         kernels["gdn"] = _gdn_taking_attention_kwargs(adapters.make_chunk_gated_delta_rule())
     return kernels
+
+
+def fused_loss_forward(original):
+    """`original` (a causal LM class's forward) with its loss from our fused LM head + log-prob op when it gets
+    labels (or shift_labels): transformers' loss (labels shifted left, -100 ignored, the sum over
+    num_items_in_batch when given, else the mean; plus router_aux_loss_coef x the router's aux loss when it
+    returns one) without the [tokens, vocab] logits; the output's `logits` is empty. Without labels, with
+    `logits_to_keep` or with return_dict=False, `original` as it is."""
+
+    def forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
+        shift_labels = kwargs.get("shift_labels")
+        keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        if (labels is None and shift_labels is None) or not keep_all or kwargs.get("return_dict") is False:
+            return original(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        captured = {}
+
+        def keep_hidden(_module, _inputs, output):  # returns None: the output stays as it is
+            captured["hidden"] = output.last_hidden_state
+
+        hook = self.model.register_forward_hook(keep_hidden)
+        try:  # no labels: transformers' forward skips its loss; no position kept: an empty lm_head
+            out = original(self, *args, labels=None, logits_to_keep=torch.zeros(0, dtype=torch.long), **kwargs)
+        finally:
+            hook.remove()
+        hidden = captured["hidden"]
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        shift_labels = shift_labels.to(hidden.device)
+        log_probs, _ = adapters.masked_logprobs(hidden, self.lm_head.weight, shift_labels, -100, 1.0)
+        count = kwargs.get("num_items_in_batch")
+        loss = -log_probs.sum() / (count if count is not None else (shift_labels != -100).sum())
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        out["loss"] = loss
+        return out
+
+    forward.verl_moe_impl = adapters.masked_logprobs
+    return forward
 
 
 def _gdn_taking_attention_kwargs(gdn):
@@ -146,7 +191,7 @@ def gdn_kernels_at_construction(mod) -> bool:
 
 
 def _require(mod, family: Family) -> None:
-    names = [family.norm, family.attention, family.router, family.experts, "apply_rotary_pos_emb"]
+    names = [family.norm, family.attention, family.router, family.experts, family.causal_lm, "apply_rotary_pos_emb"]
     if family.gdn is not None:
         names += [family.gdn, family.gated_norm, "causal_conv1d_fn"]
         names += [] if gdn_kernels_at_construction(mod) else ["torch_chunk_gated_delta_rule"]
@@ -188,6 +233,8 @@ def _apply_classes(family: Family) -> None:
     _set(stash, mod, "apply_rotary_pos_emb", k["rope"])
     _set(stash, getattr(mod, family.router), "forward", k["router_forward"])
     _set(stash, getattr(mod, family.experts), "forward", k["experts_forward"])
+    causal_lm = getattr(mod, family.causal_lm)
+    _set(stash, causal_lm, "forward", fused_loss_forward(causal_lm.forward))
     if family.gdn is not None:
         _set(stash, getattr(mod, family.gated_norm), "forward", k["gated_norm_forward"])
         _set(stash, mod, "causal_conv1d_fn", k["conv"])
@@ -224,11 +271,13 @@ def _apply_instance(family: Family, model: nn.Module) -> None:
     mod = importlib.import_module(family.module)
     _require(mod, family)
     k, stash = _kernels(family), []
+    causal_lm = getattr(mod, family.causal_lm)
     bound = {
         getattr(mod, family.norm): k["norm_forward"],
         getattr(mod, family.router): k["router_forward"],
         getattr(mod, family.experts): k["experts_forward"],
         getattr(mod, family.attention): swapping_forward(mod, {"apply_rotary_pos_emb": k["rope"]}),
+        causal_lm: fused_loss_forward(causal_lm.forward),
     }
     gdn_cls = getattr(mod, family.gdn) if family.gdn is not None else None
     gated_cls = getattr(mod, family.gated_norm) if family.gated_norm is not None else None

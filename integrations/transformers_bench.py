@@ -2,11 +2,13 @@
 `apply_to_qwen3_5_moe(model)` against unpatched, same weights, one process.
 
 Providers (the reduced Qwen3.5-MoE in bf16, sdpa attention, grouped_mm experts where not patched):
-- verl_moe: transformers' model with our kernels swapped in (GDN, conv1d, norms, rope, router, experts);
+- verl_moe: transformers' model with our kernels swapped in (GDN, conv1d, norms, rope, router, experts, and
+  the loss from our fused LM head + log-prob op);
 - transformers: unpatched, as users run it: with fla's GDN kernels and gated norm when fla is installed (the
   row's `fla` column says whether it was);
 - transformers_torch: unpatched with GatedDeltaNet on transformers' own torch code (no fla, no causal-conv1d).
-The step: full logits, mean NLL of token t+1, backward. transformers' GatedDeltaNet ignores packing
+The step: the model's own loss with labels (as transformers' Trainer runs it: the mean NLL of token t+1;
+unpatched, through the full logits), backward. transformers' GatedDeltaNet ignores packing
 (attention honours it through position ids, the linear attention does not), so the cases are one sequence.
 """
 
@@ -64,12 +66,11 @@ def _model(provider: str, inputs: dict):
 
 
 def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
-    """Loss = mean negative log-likelihood of token t+1 at positions 0..T-2; returns [loss]."""
+    """The model's loss with labels = the input ids (mean NLL of token t+1 at 0..T-2); returns [loss]."""
     model = _model(provider, inputs)
     ids = inputs["input_ids"]
     with torch.set_grad_enabled(mode == "fwd_bwd"):
-        logits = model(input_ids=ids, position_ids=inputs["position_ids"]).logits[0, :-1].float()
-        loss = -torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).mean()
+        loss = model(input_ids=ids, position_ids=inputs["position_ids"], labels=ids).loss
         if mode == "fwd_bwd":
             model.zero_grad(set_to_none=True)
             loss.backward()

@@ -150,6 +150,46 @@ def test_class_patch_equals_unpatched_and_reverts(family):
     assert torch.equal(back[0], ref[0])
 
 
+def _loss_run(model, ids, **kwargs):
+    """(loss, gradients, the output) of the model's own loss with labels."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, **kwargs)
+    out.loss.backward()
+    return (
+        out.loss.detach().float(),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        out,
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_with_labels_equals_unpatched_without_logits(family):
+    """With labels (some ignored), num_items_in_batch and the router's aux loss, the patched forward's loss and
+    gradients match transformers' loss (the module docstring's bounds), with no [tokens, vocab] logits formed;
+    shift_labels in place of labels gives the same loss; without labels transformers' forward runs as it is;
+    revert gives back transformers' loss bitwise."""
+    _, _, _, apply, revert = FAMILIES[family]
+    ids = torch.randint(1, 128, (B, T), device=device.current_device())
+    labels = ids.clone()
+    labels[0, :3] = -100
+    kwargs = dict(labels=labels, output_router_logits=True, num_items_in_batch=torch.tensor(13))
+    ref = _loss_run(_model(family), ids, **kwargs)
+    ref64 = _loss_run(_model(family).double(), ids, **kwargs)
+    assert ref[2].aux_loss is not None and ref[2].logits.shape == (B, T, ref[2].logits.shape[-1])
+    model = _model(family)
+    apply(model)
+    out = _loss_run(model, ids, **kwargs)
+    _assert_matches(ref[:2], ref64[:2], out[:2])
+    assert out[2].logits.shape[:2] == (B, 0)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    again = model(input_ids=ids, shift_labels=shifted, output_router_logits=True, num_items_in_batch=torch.tensor(13))
+    assert torch.equal(again.loss, out[0])
+    assert model(input_ids=ids).logits.shape[1] == T  # no labels: transformers' forward
+    revert(model)
+    back = _loss_run(model, ids, **kwargs)
+    assert torch.equal(back[0], ref[0])
+
+
 def test_patching_another_family_fails():
     model = _model("qwen3.5-moe")
     with pytest.raises(ValueError, match="has no modeling_qwen3_moe modules"):
