@@ -149,7 +149,6 @@ def fused_loss_forward(original):
         out["loss"] = loss
         return out
 
-    forward.verl_moe_impl = adapters.masked_logprobs
     return forward
 
 

@@ -177,14 +177,29 @@ def op_section(op: str, reports: list[tuple[str, dict]]) -> str:
             line.append(f"`{name}`")
         body.append(line)
     right = {i for i, h in enumerate(header) if h not in ("case", "mode", "provider", "report")}
-    skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
-    note = "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
-    return f"### {OP_TITLES.get(op, op)}\n\n{table(header, body, right)}{note}\n\n{footer(reports)}"
+    return f"### {OP_TITLES.get(op, op)}\n\n{table(header, body, right)}{_skipped_note(reports)}\n\n{footer(reports)}"
 
 
 def _mfu_header(rows: list[dict]) -> str:
     # Rows with `flops` divide models/flops.py's count; older rows divided 6 x active parameters x tokens.
     return "MFU (model FLOPs)" if all("flops" in r for r in rows) else "MFU (6·N·T)"
+
+
+def _step_cells(r: dict) -> list[str]:
+    """A training-step row's ms, kernel ms, tokens/s, MFU, peak GiB and loss difference cells."""
+    return [
+        num(r["ms"]),
+        num(r.get("kernel_ms")),
+        num(r["tokens_per_s"]),
+        pct(r["mfu"]),
+        num(r["peak_gib"], 3),
+        sci(r["rel_rms_vs_ref"]),
+    ]
+
+
+def _skipped_note(reports: list[tuple[str, dict]]) -> str:
+    skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
+    return "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
 
 
 def model_section(reports: list[tuple[str, dict]]) -> str:
@@ -193,17 +208,9 @@ def model_section(reports: list[tuple[str, dict]]) -> str:
     header = ["case", "provider", "ms", "kernel ms", "tokens/s", _mfu_header(rows), "peak GiB", "loss rel. diff"]
     header.append(f"{ours} ms / this ms")
     body = [
-        [
-            r["case"],
-            f"**{r['provider']}**" if r["provider"] == ours else r["provider"],
-            num(r["ms"]),
-            num(r.get("kernel_ms")),
-            num(r["tokens_per_s"]),
-            pct(r["mfu"]),
-            num(r["peak_gib"], 3),
-            sci(r["rel_rms_vs_ref"]),
-            num(r.get(f"ratio_{ours}_over_this"), 3),
-        ]
+        [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
+        + _step_cells(r)
+        + [num(r.get(f"ratio_{ours}_over_this"), 3)]
         for r in rows
     ]
     right = set(range(2, len(header)))
@@ -226,21 +233,13 @@ def integration_section(op: str, reports: list[tuple[str, dict]]) -> str:
         line = [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
         if fla:
             line.append("yes" if r.get("fla") else "no")
-        line += [
-            num(r["ms"]),
-            num(r.get("kernel_ms")),
-            num(r["tokens_per_s"]),
-            pct(r["mfu"]),
-            num(r["peak_gib"], 3),
-            sci(r["rel_rms_vs_ref"]),
+        line += _step_cells(r) + [
             f"{num(r['tokens_per_s'] / anchor['tokens_per_s'], 3)}x" if anchor else "-",
             num(r["peak_gib"] / anchor["peak_gib"], 3) if anchor else "-",
         ]
         body.append(line)
     right = {i for i, h in enumerate(header) if h not in ("case", "provider", "fla")}
-    skipped = {p: why for _, rep in reports for p, why in rep.get("skipped_providers", {}).items()}
-    note = "".join(f"\n\nSkipped provider `{p}`: {why}" for p, why in skipped.items())
-    return f"{table(header, body, right)}{note}\n\n{footer(reports)}"
+    return f"{table(header, body, right)}{_skipped_note(reports)}\n\n{footer(reports)}"
 
 
 def _units(row: dict) -> str:

@@ -15,11 +15,12 @@ import torch
 from ..dispatch import resolve
 from .reference import check_sampling_inputs, inverse_cdf, sample_tokens_ref
 
+# cuda/npu take "triton" (dispatch's default for an op with a kernel): on an H200 at 256 x 248,320 bf16,
+# 0.29 ms against the reference's 1.56 ms
 IMPLS = {
     "torch": "verl_moe.ops.sampling.reference:sample_tokens_ref",
     "triton": "verl_moe.ops.sampling.kernel:sample_tokens_triton",
 }
-ACCELERATOR_DEFAULT = "triton"  # H200, 256 x 248,320 bf16: 0.29 ms vs the reference's 1.56 ms
 
 
 def sample_tokens(
@@ -33,4 +34,4 @@ def sample_tokens(
     return resolve("sampling", impl)(logits, temperature, greedy, uniform)
 
 
-__all__ = ["ACCELERATOR_DEFAULT", "IMPLS", "check_sampling_inputs", "inverse_cdf", "sample_tokens", "sample_tokens_ref"]
+__all__ = ["IMPLS", "check_sampling_inputs", "inverse_cdf", "sample_tokens", "sample_tokens_ref"]
