@@ -45,7 +45,6 @@ from .sampling import (
     sample_rows,
     settings_of,
     stream_seed,
-    stream_uniforms,
     uses_of,
 )
 
@@ -162,6 +161,7 @@ class GenerationEngine:
             device_graphs = self.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
         self.graphs = StepGraphs(self.decoder) if device_graphs else None
         self.draw = resolve("sampling")  # the op that samples rows without filters
+        self.uniforms = resolve("sampling.uniforms")  # each row's number of its own stream
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version
         self._copies: Counter[tuple] = Counter()  # (prompt, sample_key) -> requests admitted so far
@@ -401,7 +401,7 @@ class GenerationEngine:
         if uses.pop("min_tokens"):
             logits = self._mask_early_stops(logits, stops, count < t["min_tokens"][index])
         rows = SamplingRows(
-            uniform=stream_uniforms(t["stream"][index], count),
+            uniform=self.uniforms(t["stream"][index], count),
             **{k: t[k][index] for k in SETTING_DTYPES},
             **uses,
         )

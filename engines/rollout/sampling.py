@@ -15,8 +15,8 @@ was drawn from):
    its CDF at a number of the request's own stream (`stream_uniform`), so what a row draws does not
    depend on the other rows. Streams are counter-based hashes rather than torch generators: one
    batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU), computed on the
-   device (`stream_uniforms`: splitmix64 in int64 arithmetic, the same numbers as the host's
-   `stream_uniform`) and the same numbers on every device.
+   device (the op `sampling.uniforms`: splitmix64, the same numbers as the host's `stream_uniform`)
+   and the same numbers on every device.
 Every per-row setting is a tensor (`SamplingRows`), so a decode step samples with no host round-trip.
 verl's trainer computes log_softmax(logits / temperature) over the whole vocabulary, so with
 top_k=-1, top_p=1, min_p=0 (the defaults) rollout and trainer log-probs are the same quantity.
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...ops import resolve
+from ...ops.sampling.uniforms import stream_uniform
 
 GREEDY_EPS = 1e-5  # vLLM's: temperatures below it mean greedy
 # Keys verl's agent loops and LLMServerClient send that change nothing here.
@@ -114,45 +115,6 @@ def stream_seed(seed: int, weights_version: int, prompt_ids: Sequence[int], key:
     weights version, the prompt and `key` (what tells identical prompts apart). A hash rather than a
     sum, so nearby seeds, steps and prompts do not share streams."""
     return _hash64(int(seed), int(weights_version), [int(t) for t in prompt_ids], str(key)) >> 1
-
-
-def stream_uniform(stream: int, index: int) -> float:
-    """Number `index` of stream `stream` (both in [0, 2**63)): uniform in [0, 1) with 53 random bits,
-    splitmix64's mix of the mixed stream xor the index. `stream_uniforms` computes the same on a device."""
-    return (_mix64(_mix64(int(stream)) ^ int(index)) >> 11) * 2.0**-53
-
-
-_GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(z: int) -> int:
-    z = (z + _GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * _M1) & _MASK64
-    z = ((z ^ (z >> 27)) * _M2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _as_int64(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64_t(z: torch.Tensor) -> torch.Tensor:
-    """`_mix64` on int64 tensors: additions and products wrap modulo 2**64 as unsigned ones would."""
-    z = z + _as_int64(_GAMMA)
-    z = (z ^ _shr(z, 30)) * _as_int64(_M1)
-    z = (z ^ _shr(z, 27)) * _as_int64(_M2)
-    return z ^ _shr(z, 31)
-
-
-def stream_uniforms(streams: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`stream_uniform` elementwise on int64 tensors, on their device: fp64 in [0, 1)."""
-    return _shr(_mix64_t(_mix64_t(streams) ^ index), 11).double() * 2.0**-53
 
 
 def _hash64(*values) -> int:
@@ -299,6 +261,5 @@ __all__ = [
     "settings_of",
     "stream_seed",
     "stream_uniform",
-    "stream_uniforms",
     "uses_of",
 ]

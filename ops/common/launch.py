@@ -88,10 +88,12 @@ def launch(
         meta = {k: v for k, v in configs[0].items() if k not in ("num_warps", "num_stages")}
         kernel[grid_fn({**args, **meta})](**args, **meta)
         return
-    # The autotuner's own pick key (the key arguments and every tensor's dtype) plus the search mode.
+    # The autotuner's own pick key (the key arguments and every tensor's dtype) plus the search mode and
+    # the configs offered: a caller that pins one config never gets another caller's pick.
     pick_key = (
         kernel,
         runtime.deterministic(),
+        *(id(c) for c in configs),
         *(args[k] for k in key),
         *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)),
     )

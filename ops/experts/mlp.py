@@ -1,5 +1,6 @@
 """The routed expert MLP as one autograd Function over the Triton token moves and F.grouped_mm, saving
-only the gate_up output.
+only the gate_up output. At decode sizes (few rows per expert) the forward's two GEMMs run our Triton
+grouped GEMM instead (`_forward_gemm`).
 
 Forward, for the S = N * TOPK copies in expert-sorted order (`permute.moe_sort`):
     x = scatter_rows(hidden) [S, D] -> h = grouped_mm(x, gate_up^T) [S, 2I]
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .grouped_gemm import SMALL_ROWS_CONFIGS, SMALL_ROWS_PER_EXPERT, grouped_gemm_rows
 from .permute import gather_sum, scatter_rows
 from .reference import Routing
 from .swiglu import swiglu_bwd, swiglu_fwd
@@ -31,6 +33,14 @@ class _MlpOptions:
     top_k: int
 
 
+def _forward_gemm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [S, IN] @ weight[e].T for each expert's rows: F.grouped_mm, or on an accelerator at decode sizes
+    (<= SMALL_ROWS_PER_EXPERT rows per expert) our Triton grouped GEMM with its pinned small-rows config."""
+    if x.device.type != "cpu" and x.shape[0] <= SMALL_ROWS_PER_EXPERT * weight.shape[0]:
+        return grouped_gemm_rows(x, weight.transpose(-2, -1), ends, SMALL_ROWS_CONFIGS)
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+
+
 class MoeExpertsMlpFunction(torch.autograd.Function):
     """(hidden [N, D], gate_up_proj [E, 2I, D], down_proj [E, D, I], w [S] fp32 router weights by copy,
     dest / src / ends int32 routing) -> [N, D] in hidden's dtype."""
@@ -38,9 +48,9 @@ class MoeExpertsMlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, gate_up, down, w, dest, src, ends, opts: _MlpOptions):
         x = scatter_rows(hidden, dest, opts.top_k)
-        h = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=ends)
+        h = _forward_gemm(x, gate_up, ends)
         del x
-        y = F.grouped_mm(swiglu_fwd(h, w, src), down.transpose(-2, -1), offs=ends)
+        y = _forward_gemm(swiglu_fwd(h, w, src), down, ends)
         ctx.save_for_backward(hidden, gate_up, down, w, dest, src, ends, h)
         ctx.opts = opts
         return gather_sum(y, dest, opts.top_k)

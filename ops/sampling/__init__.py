@@ -2,8 +2,9 @@
 the rollout's per-step draw when no row filters its distribution (top-k / top-p / min-p / penalty).
 
 `sample_tokens` resolves the implementation (`dispatch.resolve("sampling")`): `reference.py` (torch: the
-fp32 log-softmax, then a two-level fp64 inverse CDF; the CPU default) or `kernel.py` (one Triton program
-per row reading the logits twice, no [N, VOCAB] temporaries; the cuda/npu default). The two round
+fp32 log-softmax, then a two-level fp64 inverse CDF; the CPU default) or `kernel.py` (two Triton kernels:
+per-chunk statistics from one read of the logits, then a scan of the one chunk each row's draw falls in;
+no [N, VOCAB] temporaries; the cuda/npu default). The two round
 differently: where a row's number lands within their rounding of a CDF boundary they draw neighbouring
 tokens (both within the fp64 bound the op tests check).
 """

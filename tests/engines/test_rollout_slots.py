@@ -15,7 +15,7 @@ import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
-from verl_moe.engines.rollout.sampling import SamplingParams, stream_uniform, stream_uniforms
+from verl_moe.engines.rollout.sampling import SamplingParams
 
 VOCAB = tiny_qwen3_5_moe_text().vocab_size
 
@@ -156,15 +156,6 @@ def test_abort_returns_what_was_generated_and_the_engine_goes_on():
         assert c.finish_reason == "abort" and len(c.token_ids) == 4  # the prefill's token + 3 steps
         assert c.token_ids == alone[c.request_id].token_ids[:4]
     _assert_same(engine.generate(_requests(5)), _alone(model, _requests(5)))
-
-
-def test_device_stream_numbers_equal_the_hosts():
-    """`stream_uniforms` (int64 tensor arithmetic) gives `stream_uniform`'s numbers (Python integers)."""
-    gen = torch.Generator().manual_seed(0)
-    streams = torch.cat([torch.randint(0, 2**63 - 1, (200,), generator=gen), torch.tensor([0, 1, 2**63 - 1])])
-    index = torch.randint(0, 2**20, (203,), generator=gen)
-    expect = [stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
-    assert stream_uniforms(streams, index).tolist() == expect
 
 
 def test_seeded_request_gives_its_tokens_alone_in_a_batch_of_64_and_in_any_order():

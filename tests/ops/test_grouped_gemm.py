@@ -89,6 +89,18 @@ def test_gate_up_and_down_shapes_int64_offsets(nan_poison):
         check_vs_fp64(x, w, dy, offsets.long(), counts, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_rows_config_matches_fp64_loop(dtype, nan_poison):
+    """The pinned config the expert MLP's forward takes at decode sizes (`SMALL_ROWS_CONFIGS`), a few rows
+    per expert and some experts empty, OUT below its column tile: y against the fp64 loop."""
+    from verl_moe.ops.experts.grouped_gemm import SMALL_ROWS_CONFIGS, grouped_gemm_rows
+
+    counts = [2, 0, 5, 1, 0, 3, 1, 4]
+    x, w, _, offsets = make(counts, 72, 40, dtype)
+    y = grouped_gemm_rows(x, w.transpose(1, 2), offsets, SMALL_ROWS_CONFIGS)
+    assert_rel_rms("y", loop_ref(x.double(), w.double(), counts), y, TOL[dtype])
+
+
 def test_grid_stride_loops(monkeypatch, nan_poison):
     """With the grid capped at 3 programs every program loops over many work items, in both kernels."""
     monkeypatch.setattr(common_launch, "GRID_LIMIT", 3)

@@ -40,13 +40,14 @@ def _assert_valid_draws(tokens, lps, logits, temperature, greedy, uniform):
     at = tokens[:, None]
     hi = p.cumsum(-1).gather(1, at)[:, 0]  # CDF(t)
     lo = hi - p.gather(1, at)[:, 0]  # CDF(t - 1)
-    delta = 8 * 2**-24 * (x.abs().max().item() + x.shape[1] / 2048)
+    size = x.masked_fill(x.isinf(), 0).abs()  # masked (-inf) tokens have weight 0 and no rounding
+    delta = 8 * 2**-24 * (size.max().item() + x.shape[1] / 2048)
     assert torch.equal(tokens[greedy], x[greedy].argmax(-1))
     inside = (lo - delta <= uniform) & (uniform <= hi + delta)
     bad = (~inside & ~greedy).nonzero()[:, 0].tolist()
     assert not bad, f"rows {bad}: u={uniform[bad].tolist()} outside [{lo[bad].tolist()}, {hi[bad].tolist()}]"
     err = (lps.double() - logp.gather(1, at)[:, 0]).abs()
-    assert bool((err <= 2**-20 * (1 + x.abs().amax(-1))).all()), err.max().item()
+    assert bool((err <= 2**-20 * (1 + size.amax(-1))).all()), err.max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -72,12 +73,38 @@ def test_two_level_cdf_skips_masked_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_kernel_draws_the_fp64_inverse_cdf(dtype):
-    """Interpreter on CPU: rows over several kernel blocks (V not a multiple of the block)."""
+@pytest.mark.parametrize("chunk", [256, 8192])
+def test_triton_kernel_draws_the_fp64_inverse_cdf(dtype, chunk):
+    """Interpreter on CPU: rows over many chunks (36 of 256 tokens, the last one partial) and over two of
+    the default size."""
     from verl_moe.ops.sampling.kernel import sample_tokens_triton
 
     args = _inputs(12, 9000, dtype)
-    _assert_valid_draws(*sample_tokens_triton(*args), *args)
+    _assert_valid_draws(*sample_tokens_triton(*args, chunk=chunk), *args)
+
+
+def test_triton_kernel_skips_masked_chunks_and_finds_the_first_maximum():
+    """Whole chunks of -inf (the first one among them) are never drawn and carry weight 0; a maximum
+    repeated in two chunks gives a greedy row the first."""
+    from verl_moe.ops.sampling.kernel import sample_tokens_triton
+
+    logits, temperature, greedy, uniform = _inputs(16, 2000)
+    logits[:, :256] = float("-inf")
+    logits[:, 700:900] = float("-inf")
+    logits[:, 1500] = logits[:, 1900] = 40.0
+    logits[1::2, 1500] = logits[1::2, 1900] = float("-inf")  # odd rows: no repeated maximum
+    uniform[5] = 0.0  # the first token of weight: right after the masked first chunk
+    tokens, lps = sample_tokens_triton(logits, temperature, greedy, uniform, chunk=256)
+    _assert_valid_draws(tokens, lps, logits, temperature, greedy, uniform)
+    assert not bool(((tokens < 256) | ((tokens >= 700) & (tokens < 900))).any())
+    assert bool((tokens[greedy] == 1500).all())  # greedy rows are the even rows 0, 4, 8, 12
+
+
+def test_triton_kernel_refuses_a_chunk_that_is_not_a_power_of_two():
+    from verl_moe.ops.sampling.kernel import sample_tokens_triton
+
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        sample_tokens_triton(*_inputs(4, 100), chunk=1000)
 
 
 def test_bad_inputs_raise_one_line():
@@ -99,3 +126,36 @@ def test_kernel_and_reference_draw_the_fp64_inverse_cdf_at_the_real_vocabulary()
     args = _inputs(256, 248320, torch.bfloat16, "cuda")
     _assert_valid_draws(*sample_tokens_triton(*args), *args)
     _assert_valid_draws(*sample_tokens_ref(*args), *args)
+
+
+def _stream_inputs(device="cpu"):
+    """Streams over the whole [0, 2**63) range (both ends) and indices up to 2**62."""
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.cat([torch.randint(0, 2**63 - 1, (2000,), generator=gen), torch.tensor([0, 1, 2**63 - 1])])
+    index = torch.cat([torch.randint(0, 2**20, (2000,), generator=gen), torch.tensor([2**62, 0, 7])])
+    return streams.to(device), index.to(device)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_stream_uniforms_equal_the_hosts_python_integers(impl):
+    """Both implementations (int64 tensor arithmetic; uint64 in the Triton interpreter) give `stream_uniform`'s
+    numbers bit for bit, across more than one kernel block."""
+    from verl_moe.ops.sampling import uniforms
+
+    streams, index = _stream_inputs()
+    expect = [uniforms.stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
+    fn = {"torch": uniforms.stream_uniforms_ref, "triton": uniforms.stream_uniforms_triton}[impl]
+    assert fn(streams, index).tolist() == expect
+    with pytest.raises(ValueError, match="int64 tensors of one shape"):
+        fn(streams, index[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_uniforms_on_cuda_equal_the_hosts():
+    from verl_moe.ops.sampling import uniforms
+
+    streams, index = _stream_inputs()
+    expect = [uniforms.stream_uniform(s, i) for s, i in zip(streams.tolist(), index.tolist())]
+    for fn in (uniforms.stream_uniforms_ref, uniforms.stream_uniforms_triton):
+        assert fn(streams.cuda(), index.cuda()).cpu().tolist() == expect
