@@ -501,7 +501,8 @@ class StepGraphs:
         tensors that outlive the graph, must leave inactive rows as they are, and is captured once
         per key: the caller gives a new key (or calls `clear`) when what it would do changes."""
         if state.version != self.version:  # reallocated tensors: the old graphs read freed memory
-            self.graphs, self.version = {}, state.version
+            self.clear()
+            self.version = state.version
         index = (tokens.numel(), key)
         if index not in self.graphs:
             self.graphs[index] = self._capture(tokens, state, active, then)
@@ -510,8 +511,10 @@ class StepGraphs:
         return outputs
 
     def clear(self) -> None:
-        """Forget every graph (the tensors a `then` reads were reallocated)."""
-        self.graphs = {}
+        """Forget every graph (the tensors a `then` reads were reallocated) and their memory pool: the
+        allocator retires a pool whose graphs are all gone, and a capture into it then fails (CUDA:
+        "use_count > 0 INTERNAL ASSERT FAILED"); the next capture opens a new one."""
+        self.graphs, self.pool = {}, None
 
     def _capture(self, tokens, state, active, then):
         def run():

@@ -91,3 +91,29 @@ def test_engine_with_graphs_equals_eager_engine(dtype):
         return {c.request_id: (c.token_ids, c.log_probs) for c in done}
 
     assert run(True) == run(False)
+
+
+def test_engine_captures_again_after_requests_trickle_in():
+    """Requests arriving one wave at a time (as verl's agent loop sends them) grow the slots between
+    steps, so the graphs are dropped and captured again several times while earlier outputs are alive
+    (a capture into the dropped graphs' memory pool failed inside the allocator): tokens and log-probs
+    bitwise equal to the eager engine's."""
+    from verl_moe.engines.rollout.engine import GenerationEngine, Request
+    from verl_moe.engines.rollout.sampling import SamplingParams
+
+    model = _model(torch.bfloat16)
+    params = SamplingParams(max_tokens=12, temperature=1.0, logprobs=True, seed=3)
+    waves = [[Request(f"w{w}-{i}", [1 + w, 2 + i, 3], params) for i in range(n)] for w, n in enumerate((1, 2, 5, 9))]
+
+    def run(graphs):
+        engine = GenerationEngine(model, [], seed=0, max_num_seqs=32, device_graphs=graphs)
+        done = []
+        for wave in waves:
+            done += engine.add(wave) + engine.step(2)
+        while engine.num_running:
+            done += engine.step(4)
+        return {c.request_id: (c.token_ids, c.log_probs) for c in done}
+
+    eager = run(False)
+    assert len(eager) == sum(len(w) for w in waves)
+    assert run(True) == eager
