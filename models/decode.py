@@ -21,14 +21,12 @@ rows). The model must be local: no sequence or expert parallelism.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ops import device, resolve
 from ..ops.conv1d.step import conv1d_state_from_prefill
@@ -126,7 +124,7 @@ class MoeDecoder:
     state written into `slots`); `step(tokens [B], state, active [B])` -> logits [B, VOCAB] of those
     tokens for slots [0, B) (the active slots advance in place). Logits are in the model dtype.
     The step ops resolve once here: `gdn.step` by the usual rule (torch on CPU and for fp64
-    models), as does `conv1d.step`.
+    models), as do `conv1d.step` and `attention.decode`.
     """
 
     def __init__(self, model: MoeCausalLM, gdn_step_impl: str | None = None):
@@ -143,6 +141,8 @@ class MoeDecoder:
         auto = "torch" if dtype == torch.float64 else None
         self.gdn_step = resolve("gdn.step", gdn_step_impl or auto) if linear else None
         self.conv_step = resolve("conv1d.step", auto) if linear else None
+        attention = "full_attention" in self.arch.layer_types
+        self.decode_attention = resolve("attention.decode", auto) if attention else None
 
     # ---- the slots -----------------------------------------------------------------------------
 
@@ -350,36 +350,20 @@ class MoeDecoder:
     @staticmethod
     def _kv_positions(lengths: torch.Tensor, capacity: int):
         """What every attention layer of a step indexes its cache with, computed once per step: (rows
-        [B], the position each row writes [B], the positions each row attends to [B, capacity])."""
+        [B], the position each row writes [B], how many positions each row attends to [B])."""
         rows = torch.arange(lengths.numel(), device=lengths.device)
         at = lengths.clamp(max=capacity - 1)  # an idle slot may sit at capacity; it writes back what is there
-        visible = torch.arange(capacity, device=lengths.device)[None, :] <= lengths[:, None]
-        return rows, at, visible
+        return rows, at, at + 1
 
     def _attention_step(self, attn: Attention, x, cos, sin, cache: AttentionCache, slots, active):
         q, k, v, gate = self._attention_qkv(attn, x, cos, sin)  # [B, 1, H | HKV, K]
         B = x.shape[0]
-        rows, at, visible = slots
+        rows, at, counts = slots
         keep = active[:, None, None]
         cache.k[rows, :, at] = torch.where(keep, k[:, 0], cache.k[rows, :, at])
         cache.v[rows, :, at] = torch.where(keep, v[:, 0], cache.v[rows, :, at])
-        HKV, group = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
-        # query head h reads kv head h // group: the group's heads act as SDPA query rows
-        qg = q[:, 0].reshape(B, HKV, group, attn.head_dim)
-        with self._decode_sdpa():
-            o = F.scaled_dot_product_attention(
-                qg, cache.k[:B], cache.v[:B], attn_mask=visible[:, None, None, :], scale=attn.head_dim**-0.5
-            )  # [B, HKV, group, V]
+        o = self.decode_attention(q[:, 0], cache.k, cache.v, counts, attn.head_dim**-0.5)  # [B, H, V]
         return self._attention_out(attn, o.reshape(B, 1, attn.num_heads, -1), gate)
-
-    def _decode_sdpa(self):
-        """SDPA's backend for the masked one-token attention: on CUDA the memory-efficient kernel first (an
-        H200 at 256 slots x 512 positions, 2 KV heads of 256: 88 us against cuDNN's 145, torch's own pick
-        with a mask); elsewhere torch's choice."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
-        return sdpa_kernel(order, set_priority=True)
 
     def _gdn_step(self, gdn: GatedDeltaNet, x, cache: LinearCache, active):
         B = x.shape[0]

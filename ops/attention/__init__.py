@@ -2,6 +2,7 @@
 
 The dispatched `attention` callable is `causal_attention_ref`'s contract; `causal=False` (the vision
 tower's attention over each image's patches) drops the causal mask inside each packed sequence.
+`decode.py` holds the decoding op, one token per row over fixed-capacity caches (`attention.decode`).
 """
 
 from .. import device

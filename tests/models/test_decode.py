@@ -70,6 +70,20 @@ def test_decode_matches_full_forward(make_config):
         assert torch.equal(tokens[n], ref.argmax(-1))
 
 
+def test_decode_with_the_triton_attention_step_matches_full_forward(monkeypatch):
+    """The decode-attention kernel (`attention.decode=triton`, interpreter on CPU) in the decoder's steps:
+    the full forward's logits, as with the default op."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
+    model = _model(tiny_qwen3_5_moe_text())
+    decoder = MoeDecoder(model)
+    assert decoder.decode_attention.__name__ == "decode_attention_triton"
+    tokens, logits = _greedy(decoder, PROMPTS, NEW_TOKENS)
+    full = _full_forward_logits(model, [p + tokens[n].tolist() for n, p in enumerate(PROMPTS)])
+    for n, p in enumerate(PROMPTS):
+        assert_rel_rms(f"logits seq {n}", full[n][len(p) - 1 : len(p) - 1 + NEW_TOKENS], logits[n], 1e-5)
+
+
 def test_slots_step_independently_of_where_and_when_they_were_filled():
     """Sequences prefilled together into slots 0..2 step as the same sequences prefilled one by one
     into scattered slots of a larger state (idle slots between them, an inactive one among the
