@@ -17,8 +17,9 @@ Switches (read on every call, never at import):
   (tests/conftest.py does); changing it later does not switch kernels already imported.
 
 Cache (keyed so that a stale entry is never returned; `clear_caches` empties it):
-- `AUTOTUNE_PICKS`: (kernel, deterministic mode, key argument values, tensor dtypes) -> the config the
-  autotuner picked (`launch.launch`): later launches skip the autotuner's per-call host bookkeeping.
+- `AUTOTUNE_PICKS`: (kernel, deterministic mode, the configs offered, key argument values, tensor dtypes)
+  -> the config the autotuner picked (`launch.launch`): later launches skip the autotuner's per-call host
+  bookkeeping.
 """
 
 from __future__ import annotations
