@@ -73,7 +73,9 @@ def _decode_attention_tiles_kernel(
         m = tl.max(s, 1)
         p = tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None])  # masked positions: 0
         part = tl.cast(item, tl.int64) * G + o_g
-        keep = m_g & (o_g * 0 + count > i_t * BL)  # a tile past the count stores nothing
+        # a tile past the count stores nothing (the count broadcast to a vector: the interpreter takes
+        # no scalar mask term)
+        keep = m_g & (o_g * 0 + count > i_t * BL)
         tl.store(m_part + part, m, mask=keep)
         tl.store(l_part + part, tl.sum(p, 1), mask=keep)
         for v0 in range(0, D, BV):

@@ -89,11 +89,17 @@ def _uniforms_kernel(streams, index, out, N, BLOCK: tl.constexpr):
 
 
 UNIFORM_CONFIGS = [{"BLOCK": 1024, "num_warps": 4}]
+
+
+def _uniforms_grid(meta: dict) -> tuple[int]:
+    return grid_1d(cdiv(meta["N"], meta["BLOCK"]))
+
+
 KERNEL_LAUNCHES = {
     "_uniforms_kernel": {
         "configs": UNIFORM_CONFIGS,
         "meta": lambda shape: {},
-        "grid": lambda meta: grid_1d(cdiv(meta["N"], meta["BLOCK"])),
+        "grid": _uniforms_grid,
         "runtime": lambda shape: {},
         "max_shapes": ({"N": 2**20},),
     },
@@ -110,7 +116,7 @@ def stream_uniforms_triton(streams: torch.Tensor, index: torch.Tensor) -> torch.
             _uniforms_kernel,
             UNIFORM_CONFIGS,
             [],
-            lambda meta: grid_1d(cdiv(meta["N"], meta["BLOCK"])),
+            _uniforms_grid,
             streams=streams,
             index=index,
             out=out,
