@@ -23,7 +23,9 @@ from .bench import make_batch, no_accelerator, step_row
 
 CASES = [
     {"id": "hf-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},
-    {"id": "hf-qwen3.5-moe-L8-T16384", "layers": 8, "tokens": 16384},
+    # transformers' torch GatedDeltaNet takes 46 GiB above the weights at 8192 tokens; at 16384 it does not fit
+    # on a 140 GiB GPU beside the other two models and their gradients
+    {"id": "hf-qwen3.5-moe-L8-T16384", "layers": 8, "tokens": 16384, "providers": ("verl_moe", "transformers")},
 ]
 PROVIDERS = ("verl_moe", "transformers", "transformers_torch")
 REFERENCE = "transformers"

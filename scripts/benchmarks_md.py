@@ -98,6 +98,8 @@ def command(report: dict, name: str) -> str:
     if report["tool"] == "main_ppo":
         return " ".join(shlex.quote(a) for a in ["python", *argv])
     argv[0] = "verl-moe"
+    # what the run set in its environment (e.g. an op's implementation through VERL_MOE_OPS)
+    argv = [f"{k}={v}" for k, v in report.get("env", {}).items()] + argv
     for flag, value in (("--json", f"results/{name}.json"), ("--out", f"align_out/{name}")):
         if flag in argv:
             argv[argv.index(flag) + 1] = value
@@ -307,7 +309,9 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
     rows = []
     for _, rep in reports:
         anchor = next((r for r in rep["records"] if r["provider"] == "transformers" and "error" not in r), None)
+        env = ", ".join(f"{k}={v}" for k, v in rep.get("env", {}).items())
         for r in rep["records"]:
+            r = {**r, "provider": f"{r['provider']} ({env})" if env else r["provider"]}
             if "error" in r:
                 rows.append([r["provider"], str(r["batch"]), f"failed: {r['error']}"] + [""] * (len(header) - 3))
                 continue
@@ -321,7 +325,7 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
                     num(r["cold_step_ms"], 3),
                     num(r["prefill_ms"], 3),
                     num(r["tokens_per_s"], 3),
-                    f"{num(ratio, 3)}x",
+                    f"{num(ratio, 3)}x" if anchor else "-",
                     num(r["floor_step_ms"], 3),
                     num(r["peak_GiB"], 3),
                 ]
