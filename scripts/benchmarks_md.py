@@ -92,14 +92,18 @@ def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(
 # ---- what every report says about itself --------------------------------------------------------------
 
 
+def env_assignments(report: dict) -> list[str]:
+    """What the run set in its environment (`env`: e.g. an op's implementation through VERL_MOE_OPS)."""
+    return [f"{k}={v}" for k, v in report.get("env", {}).items()]
+
+
 def command(report: dict, name: str) -> str:
     """The report's argv as a command that writes the same report again, into results/."""
     argv = list(report["argv"])
     if report["tool"] == "main_ppo":
         return " ".join(shlex.quote(a) for a in ["python", *argv])
     argv[0] = "verl-moe"
-    # what the run set in its environment (e.g. an op's implementation through VERL_MOE_OPS)
-    argv = [f"{k}={v}" for k, v in report.get("env", {}).items()] + argv
+    argv = env_assignments(report) + argv
     for flag, value in (("--json", f"results/{name}.json"), ("--out", f"align_out/{name}")):
         if flag in argv:
             argv[argv.index(flag) + 1] = value
@@ -309,7 +313,7 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
     rows = []
     for _, rep in reports:
         anchor = next((r for r in rep["records"] if r["provider"] == "transformers" and "error" not in r), None)
-        env = ", ".join(f"{k}={v}" for k, v in rep.get("env", {}).items())
+        env = ", ".join(env_assignments(rep))
         for r in rep["records"]:
             r = {**r, "provider": f"{r['provider']} ({env})" if env else r["provider"]}
             if "error" in r:

@@ -1,4 +1,5 @@
-"""What every tool report carries to name the run: versions, device, git sha, source hash, date."""
+"""What every tool report carries to name the run: versions, device, git sha, source hash, date, and the
+environment variables that change what runs (`env`, where set)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime
 import hashlib
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,6 +15,9 @@ from pathlib import Path
 import torch
 
 from ..ops import device
+
+# environment variables that change which implementation runs (ops.dispatch reads VERL_MOE_OPS)
+RECORDED_ENV = ("VERL_MOE_OPS",)
 
 
 def _version(dist: str) -> str | None:
@@ -76,6 +81,7 @@ def environment() -> dict:
     }
     versions["torch"] = torch.__version__
     versions["python"] = platform.python_version()
+    env = {k: os.environ[k] for k in RECORDED_ENV if os.environ.get(k, "").strip()}
     return {
         "device": kind,
         "device_name": name,
@@ -83,4 +89,5 @@ def environment() -> dict:
         "git_sha": git_sha(),
         "source_sha": source_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **({"env": env} if env else {}),
     }

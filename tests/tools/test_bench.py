@@ -161,3 +161,12 @@ def test_kernel_time_is_nan_off_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU path")
     assert bench.kernel_ms(lambda: torch.ones(3) + 1, 2) != bench.kernel_ms(lambda: None, 1)  # NaN != NaN
+
+
+def test_reports_name_the_ops_selection_they_ran_with(monkeypatch):
+    from verl_moe.tools.provenance import environment
+
+    monkeypatch.delenv("VERL_MOE_OPS", raising=False)
+    assert "env" not in environment()
+    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
+    assert environment()["env"] == {"VERL_MOE_OPS": "attention.decode=triton"}
