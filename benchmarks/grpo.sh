@@ -9,6 +9,9 @@
 # H200 (step 1 compiles and autotunes). Needs `pip install .`.
 #   CPU=1 bash benchmarks/grpo.sh   the same command line on CPU (tiny model, fp32, short responses, 2
 #                                   steps), results in $OUT instead of results/
+#   FREE_CACHE_ENGINE=true          verl's default: the rollout frees its model, slots and device graphs at
+#                                   every sleep and builds them again each step (results named *_free_cache);
+#                                   without it they stay resident across steps (model + slots: ~3 GiB here)
 #   SAMPLE=1                        every Python process of the run samples its stacks into $OUT/samples.txt
 #                                   (benchmarks/sampler): where the trainer's time goes, by process
 set -uo pipefail
@@ -25,6 +28,8 @@ else
     actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16
     actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16 actor_rollout_ref.rollout.dtype=bfloat16)
 fi
+FREE=${FREE_CACHE_ENGINE:-false}
+SCALE+=(actor_rollout_ref.rollout.free_cache_engine=$FREE)
 if [ "${SAMPLE:-0}" = 1 ]; then
   export PYTHONPATH=$PWD/benchmarks/sampler${PYTHONPATH:+:$PYTHONPATH} VERL_MOE_SAMPLE_DIR=$OUT/samples
   rm -rf "$OUT/samples"
@@ -50,6 +55,7 @@ if [ "${SAMPLE:-0}" = 1 ]; then  # the processes with the most samples first
     cat "$f"; echo; done > "$OUT/samples.txt"
 fi
 NAME=rollout_grpo_${SIZE}_L4 && [ "$SIZE" = tiny ] && NAME=rollout_grpo_tiny
+[ "$FREE" = true ] && NAME=${NAME}_free_cache
 cp "$WORK/tiny_cpu.jsonl" "$RESULTS/$NAME.jsonl" || { echo "no metrics file $WORK/tiny_cpu.jsonl"; exit 1; }
 # the record scripts/benchmarks_md.py reads: what ran, where, on which code
 "$PY" - "$RESULTS/$NAME.json" "$NAME.jsonl" "${#SETUP[@]}" "${SETUP[@]}" "${TRAIN[@]}" <<'PYEOF'

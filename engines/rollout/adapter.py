@@ -10,8 +10,10 @@ the process: `update_weights` copies the trainer's full tensors straight into th
 
 Memory: `release()` / the server's `sleep` free the rollout model and every decode state (when
 `free_cache_engine`, verl's default); `resume(["weights"])` allocates an empty model again and
-the next `update_weights` fills it, as verl's hybrid loop does every step. KV cache and
-GatedDeltaNet states exist only while requests run, so the "kv_cache" tag has nothing to do.
+the next `update_weights` fills it, as verl's hybrid loop does every step; `resume(["kv_cache"])`
+(after the trainer offloaded) allocates the decode slots at the size the previous engine ended
+with, so the step's requests, arriving one by one, take slots without growing them.
+Without `free_cache_engine` the engine, its slots and its captured graphs live across steps.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class MoeRolloutAdapter(BaseRollout):
         self.vocab_size, self.max_positions = text.vocab_size, text.max_position_embeddings
         self._model = None
         self._engine: GenerationEngine | None = None
+        self._slot_sizes: dict[str, int] = {}  # the last engine's `sizes`, reserved again on wake-up
         self._profiler = None
         self._profile_count = 0
         if self.is_leader_rank:
@@ -96,7 +99,8 @@ class MoeRolloutAdapter(BaseRollout):
     # ---- verl's BaseRollout contract ---------------------------------------------------------
 
     async def resume(self, tags: list[str]):
-        """tags "weights": allocate the (empty) rollout model; "kv_cache": nothing (states are per request)."""
+        """tags "weights": allocate the (empty) rollout model; "kv_cache": the decode slots, as large as
+        the last engine's before it slept."""
         self.engine_wake_up(tags)
 
     async def release(self):
@@ -174,6 +178,8 @@ class MoeRolloutAdapter(BaseRollout):
             return
         if self._engine is not None and self._engine.num_running:
             raise ValueError("verl_moe rollout: sleep while requests run; abort or drain them first")
+        if self._engine is not None:
+            self._slot_sizes = self._engine.sizes
         self._engine, self._model = None, None
         gc.collect()
         if self._device().type != "cpu":
@@ -182,8 +188,13 @@ class MoeRolloutAdapter(BaseRollout):
             get_torch_device().empty_cache()
 
     def engine_wake_up(self, tags: list[str] | None = None) -> None:
-        if self.is_leader_rank and "weights" in (tags or ["weights", "kv_cache"]):
+        tags = tags or ["weights", "kv_cache"]
+        if not self.is_leader_rank:
+            return
+        if "weights" in tags:
             self._ensure_model()
+        if "kv_cache" in tags and self._engine is not None and self._slot_sizes:
+            self._engine.reserve(**self._slot_sizes)
 
     def engine_start_profile(self, **kwargs) -> None:
         """torch.profiler over the engine calls until `engine_stop_profile`, when the rollout profiler

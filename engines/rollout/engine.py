@@ -261,6 +261,25 @@ class GenerationEngine:
             steps -= chunk
         return finished
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """What the slots have room for now, as `reserve` takes it (all 0 before the first request)."""
+        t = self._t
+        return {
+            "slots": len(self._slots),
+            "positions": self._state.capacity if self._state is not None else 0,
+            "outputs": t["out_tokens"].shape[1] if t else 0,
+            "stops": t["stops"].shape[1] if t else 0,
+        }
+
+    def reserve(self, slots: int, positions: int, outputs: int, stops: int) -> None:
+        """Allocate room up front for `slots` slots (at most max_num_seqs) of `positions` positions,
+        `outputs` generated tokens and `stops` stop ids each: requests that fit then take slots without
+        growing them (each growth reallocates the slots and drops the captured graphs). A new engine
+        given an old one's `sizes` starts where the old one ended."""
+        if slots > 0:
+            self._grow(min(slots, self.max_num_seqs), positions, outputs, stops)
+
     def set_weights_version(self, weights_version: int) -> None:
         """Key the streams of requests admitted from now on by `weights_version` (the model's weights
         were just replaced in place), as a new engine would: arrival ranks count from zero again.

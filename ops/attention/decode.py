@@ -7,8 +7,8 @@ whatever the lengths.
 The op resolves as `resolve("attention.decode")` (IMPLS below): `decode_attention_ref` (SDPA over the
 whole capacity with a mask; on CUDA its memory-efficient kernel: 88 us against cuDNN's 145 at 256 rows x
 512 positions, 2 kv heads of 256, on an H200) or `decode_kernel.decode_attention_triton` (split by tiles
-of positions, each row reading only its visible tiles: the read no longer grows with the capacity). The
-accelerator default stays the reference until the kernel has been measured and graph-tested on a GPU.
+of positions, each row reading only its visible tiles: the read no longer grows with the capacity), the
+accelerator default.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ IMPLS = {
     "torch": "verl_moe.ops.attention.decode:decode_attention_ref",
     "triton": "verl_moe.ops.attention.decode_kernel:decode_attention_triton",
 }
-ACCELERATOR_DEFAULT = "torch"
+ACCELERATOR_DEFAULT = "triton"
 
 
 def check_decode_attention_inputs(q, k_cache, v_cache, counts) -> None:

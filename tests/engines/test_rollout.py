@@ -251,9 +251,12 @@ def test_server_generate_batched_greedy_follows_weight_updates():
         await adapter.resume(["weights"])
         await adapter.update_weights(vm.to_vllm_named_tensors(model), global_steps=3)
         first = await generate_all("a")
+        sizes = adapter._engine.sizes
         await server.sleep()
         await adapter.resume(["weights"])
         await adapter.update_weights(vm.to_vllm_named_tensors(updated), global_steps=4)
+        await adapter.resume(["kv_cache"])  # the new engine's slots as large as the last one's
+        assert adapter._engine.sizes == sizes and sizes["slots"] >= len(PROMPTS)
         return first, await generate_all("b")
 
     for policy, step, outs in zip((model, updated), (3, 4), asyncio.run(scenario())):

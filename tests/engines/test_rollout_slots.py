@@ -126,6 +126,33 @@ def test_running_slots_are_packed_down_when_low_ones_finish():
         assert c.token_ids == alone[c.request_id].token_ids
 
 
+def test_new_engine_reserving_the_old_ones_sizes_admits_one_by_one_without_growing():
+    """Requests arriving one at a time (verl's agent loop) grow a fresh engine's slots several times
+    (each growth reallocates them and drops captured graphs); a new engine that reserves the old one's
+    `sizes` takes the same arrivals into the slots it reserved, never reallocating, with the same
+    tokens (log-probs within 1e-5: attention over a longer cache reduces in another order)."""
+    model = _model()
+    requests = _requests(12)
+
+    def one_by_one(engine):
+        done = []
+        for r in requests:
+            done += engine.add([r]) + engine.step(1)
+        while engine.num_running:
+            done += engine.step(4)
+        return done
+
+    first = GenerationEngine(model, [], seed=3)
+    done = one_by_one(first)
+    assert first._state.version > 0  # grew after its first allocation
+    again = GenerationEngine(model, [], seed=3)
+    again.reserve(**first.sizes)
+    state, tokens = again._state, again._t["tokens"]
+    _assert_same(one_by_one(again), {c.request_id: c for c in done})
+    assert again._state is state and state.version == 0 and again._t["tokens"] is tokens
+    assert again.sizes == first.sizes
+
+
 def test_full_engine_refuses_with_one_line_and_admits_nothing():
     model = _model()
     requests = [
