@@ -37,9 +37,12 @@ fi
 WORK=${GRPO_WORK:-/tmp/grpo} && rm -rf "$WORK"
 SETUP=(scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8)
 # dynamic micro-batches of up to 16k tokens (the update) and 32k (log-probs of the actor and the reference)
-# instead of the tiny scale's 8 sequences; no validation, no checkpoints
+# instead of the tiny scale's 8 sequences; no validation, no checkpoints; our replay buffer, which looks for
+# a full batch every 0.1 s (verl's sync buffer every 2 s, so a generation counted in steps of 2 s)
 TRAIN=(scripts/toy_rl.py train "$WORK" --platform "$PLATFORM" --steps "$STEPS" "${SCALE[@]}"
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.experiment_name=grpo_$SIZE
+  trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay
+  trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer +trainer.v1.sampler.sampler_kwargs.poll_interval=0.1
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768
   actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768)

@@ -10,9 +10,33 @@ model spec and a real decode path, for CPU, CI and single-GPU runs (vLLM stays t
   `engine_kwargs.verl_moe`;
 - `replay.py`: a replay buffer for verl's v1 trainer that orders each batch by content (repeatable runs).
 Importing this package imports no Ray actor code beyond verl's own modules.
+
+Its INFO lines (the decode slots' footprint when they are allocated, one summary per generation
+wave) are logged at `VERL_LOGGING_LEVEL` (verl's switch; INFO when unset) and reach stderr also in
+processes whose logging has no handler, such as Ray's workers and actors (Python's last resort
+prints warnings only).
 """
 
+import logging
+import os
+
 from .config import ROLLOUT_NAME, RolloutOptions
+
+
+class _WithoutRootHandler(logging.Filter):
+    """Pass a record only while the root logger has no handler (else the root's prints it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+
+_logger = logging.getLogger(__name__)
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    _handler.addFilter(_WithoutRootHandler())
+    _logger.addHandler(_handler)
+    _logger.setLevel(os.environ.get("VERL_LOGGING_LEVEL", "INFO").upper())
 
 ADAPTER_FQN = "verl_moe.engines.rollout.adapter.MoeRolloutAdapter"
 

@@ -14,6 +14,9 @@ Enable it (sync trainer mode; verl builds custom samplers without `algorithm.fil
     trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay
     trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer
 
+`+trainer.v1.sampler.sampler_kwargs.poll_interval=SECONDS` sets how often `sample` looks for a full
+batch (verl's 2 s counts a 1.2 s generation as 2 s; 0.1 s lets a fast rollout's step go on sooner).
+
 With `actor_rollout_ref.rollout.full_determinism=true` as well (sampling streams keyed by verl's
 stable request ids, one request decoding at a time: `server.py`), two runs with the same seed log
 the same metrics.
@@ -52,6 +55,11 @@ class ContentOrderedReplayBuffer(ReplayBuffer):
     def __init__(self, trainer_mode: str, *args, **kwargs):
         if trainer_mode != "sync":
             raise ValueError(f"ContentOrderedReplayBuffer orders sync batches, got trainer_mode={trainer_mode!r}")
+        poll = (kwargs.get("sampler_kwargs") or {}).get("poll_interval")
+        if poll is not None:
+            if float(poll) <= 0:
+                raise ValueError(f"sampler_kwargs.poll_interval must be > 0 seconds, got {poll}")
+            kwargs["poll_interval"] = float(poll)
         super().__init__(trainer_mode, *args, **kwargs)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int):

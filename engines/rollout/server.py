@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any
 
 from verl.utils.config import omega_conf_to_dataclass
@@ -170,7 +171,9 @@ class MoeRolloutServer:
         return _token_output(completion, global_steps)
 
     async def _serve(self) -> None:
-        """Drive the engine until no request is queued or running."""
+        """Drive the engine until no request is queued or running (a wave), then log the wave's
+        requests, tokens and wall time."""
+        start, wave = time.perf_counter(), {"requests": 0, "tokens": 0, "calls": 0}
         await asyncio.sleep(self.options.batch_wait_ms / 1000)  # let a batch gather
         while self._queue or self._running:
             async with self._lock:
@@ -186,7 +189,20 @@ class MoeRolloutServer:
                     await self._fail_running(exc)
                     continue
             self._finish(result["completions"], result["global_steps"])
+            wave["requests"] += len(admitted)
+            wave["tokens"] += sum(len(c.token_ids) for c in result["completions"])
+            wave["calls"] += 1
             await asyncio.sleep(0)  # let control calls (abort, sleep) and new requests in between calls
+        seconds = time.perf_counter() - start
+        logger.info(
+            "verl_moe rollout replica %d: %d requests, %d tokens in %.2f s (%.0f tokens/s, %d engine calls)",
+            self.replica_rank,
+            wave["requests"],
+            wave["tokens"],
+            seconds,
+            wave["tokens"] / seconds,
+            wave["calls"],
+        )
 
     async def _fail_running(self, exc: Exception) -> None:
         """An engine call failed: its requests (the running ones) get the error rather than hang, the

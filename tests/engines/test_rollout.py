@@ -10,6 +10,7 @@ Tolerances:
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -233,7 +234,8 @@ def _adapter(config: RolloutConfig, eos=None) -> MoeRolloutAdapter:
     return MoeRolloutAdapter(config, model_config, device_mesh=None, replica_rank=0)
 
 
-def test_server_generate_batched_greedy_follows_weight_updates():
+def test_server_generate_batched_greedy_follows_weight_updates(caplog):
+    caplog.set_level(logging.INFO, logger="verl_moe.engines.rollout")
     model = _model()
     config = _rollout_config()
     adapter = _adapter(config)
@@ -259,7 +261,12 @@ def test_server_generate_batched_greedy_follows_weight_updates():
         assert adapter._engine.sizes == sizes and sizes["slots"] >= len(PROMPTS)
         return first, await generate_all("b")
 
-    for policy, step, outs in zip((model, updated), (3, 4), asyncio.run(scenario())):
+    results = asyncio.run(scenario())
+    waves = [r.getMessage() for r in caplog.records if " engine calls)" in r.getMessage()]
+    generated = [sum(len(out.token_ids) for out in outs) for outs in results]
+    # one summary per wave: every request of the wave and every token it generated
+    assert [f"{len(PROMPTS)} requests, {n} tokens in" in w for w, n in zip(waves, generated)] == [True, True]
+    for policy, step, outs in zip((model, updated), (3, 4), results):
         for prompt, out in zip(PROMPTS, outs):
             assert len(out.token_ids) == config.response_length  # no max_tokens sent: capped at response_length
             assert out.stop_reason == "completed" and out.extra_fields["global_steps"] == step

@@ -10,6 +10,7 @@ of it process start-up. Only wall-clock and memory readings may differ.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import random
@@ -27,6 +28,7 @@ DETERMINISM = (
     "actor_rollout_ref.rollout.full_determinism=true",
     "trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay",
     "trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer",
+    "+trainer.v1.sampler.sampler_kwargs.poll_interval=0.2",
 )
 # seconds and bytes, not results
 WALL_CLOCK = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
@@ -54,6 +56,25 @@ def test_content_order_ignores_arrival_order_and_uids():
     sequences, group_of = reference
     for p in range(len(sequences)):  # groups contiguous
         assert group_of[p] in (p, group_of[p - 1])
+
+
+def test_poll_interval_reaches_verls_poll_and_must_be_positive():
+    """`sampler_kwargs.poll_interval` is the interval verl's sync buffer sleeps between looks for a
+    full batch (its `_wait_for_next_poll` reads `poll_interval`); verl's own default otherwise."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl_moe.engines.rollout.replay import ContentOrderedReplayBuffer
+
+    def build(**sampler_kwargs):
+        return ContentOrderedReplayBuffer(
+            trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None,
+            max_off_policy_strategy="drop", sampler_kwargs=sampler_kwargs,
+        )  # fmt: skip
+
+    default = inspect.signature(ReplayBuffer.__init__).parameters["poll_interval"].default
+    assert build(poll_interval=0.05).poll_interval == 0.05 != default
+    assert build().poll_interval == default
+    with pytest.raises(ValueError, match="poll_interval must be > 0"):
+        build(poll_interval=0)
 
 
 def _toy_rl():
