@@ -280,8 +280,12 @@ def memory_section(reports: list[tuple[str, dict]]) -> str:
 def rollout_section(reports: list[tuple[str, dict]]) -> str:
     parts = []
     header = ["step", "generation s", "generation tokens/s", "response length", "old log-prob s", "reference s"]
-    header += ["actor update s", "update tokens/s", "step s", "rollout probs diff (mean)", "trainer peak GiB"]
-    for _, rep in reports:
+    header += ["actor update s", "update tokens/s", "weight sync s", "step s", "rollout probs diff (mean)"]
+    header += ["trainer peak GiB"]
+    for name, rep in reports:
+        key = "actor_rollout_ref.rollout.free_cache_engine="
+        free = next((a[len(key) :] for a in rep["argv"] if a.startswith(key)), "true (verl's default)")
+        parts.append(f"`{name}`: `free_cache_engine={free}`")
         steps = [json.loads(line) for line in (RESULTS / rep["metrics"]).read_text().splitlines() if line.strip()]
         body = []
         for s in steps:
@@ -298,6 +302,7 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
                     num(d.get("timing_s/ref")),
                     num(d["timing_s/update_actor"]),
                     num(1000 / d["timing_per_token_ms/update_actor"]),
+                    num(d.get("timing_s/update_weights")),
                     num(d["timing_s/step"]),
                     sci(d.get("training/rollout_probs_diff_mean")),
                     num(d.get("actor/perf/max_memory_allocated_gb"), 3),
@@ -500,7 +505,10 @@ def render(reports: dict[str, dict]) -> str:
             "`recipe/tiny_cpu` with `platform=gpu_single` (trainer and rollout share one GPU) on the reduced "
             "Qwen3.5-MoE with 4 layers (`scripts/toy_rl.py --model-size reduced`), scripts/toy_rl.py's arith task, "
             "32 prompts x 8 samples per step, responses up to 256 tokens, fp32 master weights with bf16 compute, "
-            "bf16 reference and rollout. Step 1 includes the first Triton compiles and autotuning.",
+            "bf16 reference and rollout; our content-ordered replay buffer looking for a full batch every 0.1 s "
+            "(verl's looks every 2 s). Step 1 includes the first Triton compiles and autotuning. "
+            "`free_cache_engine=true` frees the rollout model, its decode slots and graphs at every sleep and "
+            "builds them again each step; `false` keeps them resident across steps.",
             rollout_section(rollout),
         ]
     if align:
