@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,15 +172,24 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
             # through them a model bench's models) before the next case allocates its own
             inputs = ref_out = call = None
             device.empty_cache()
-            _write(report, cfg.json_path)
-    _write(report, cfg.json_path)
+            write_report(report, cfg.json_path)
+    write_report(report, cfg.json_path)
     return report
 
 
-def _write(report: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
+def write_report(report: dict, path: str | None) -> None:
+    """Write `report` as JSON to `path` (None: nothing) through a temporary file and a rename, so a run
+    killed or failing while it writes leaves the previous whole report."""
+    if not path:
+        return
+    part = f"{path}.part"
+    try:
+        with open(part, "w") as f:
             json.dump(report, f, indent=2)
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
 
 
 BASE_COLUMNS = (

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import typer
 from typer.core import TyperGroup
@@ -107,13 +106,14 @@ def bench(
     rollout engine's decode against transformers' generate, docs/rollout.md)."""
     if op == "rollout":
         from ..engines.rollout import bench as rollout_bench
+        from .bench import write_report
         from .provenance import environment
 
         def on_record(records: list[dict]) -> None:
             print(json.dumps(records[-1]), flush=True)
             if json_path:  # rewritten after each provider: a run cut short keeps what it measured
                 report = {"tool": "bench", "op": "rollout", "argv": sys.argv, **environment(), "records": records}
-                Path(json_path).write_text(json.dumps(report, indent=1))
+                write_report(report, json_path)
 
         providers = tuple(provider) or rollout_bench.PROVIDERS
         records = rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, on_record)

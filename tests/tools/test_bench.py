@@ -91,6 +91,17 @@ def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_pat
     ]
 
 
+def test_a_report_that_fails_to_write_leaves_the_previous_one_whole(tmp_path):
+    """A write that fails midway (here a value JSON cannot hold, after some of the file is out) keeps
+    the last whole report and leaves no partial file beside it."""
+    out = tmp_path / "report.json"
+    bench.write_report({"rows": [1, 2]}, str(out))
+    with pytest.raises(TypeError):
+        bench.write_report({"rows": [3], "late": object()}, str(out))
+    assert json.loads(out.read_text()) == {"rows": [1, 2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
 def test_a_case_is_freed_before_the_next_one_allocates(monkeypatch):
     """When a (case, mode)'s inputs are made, nothing holds the previous one's any more (on a GPU, a
     model bench's next case would otherwise run beside the last one's models)."""
