@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import verl_moe.models as vm
-from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
+from tiny_models import hf_causal_lm, randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
 from verl_moe.engines.rollout.sampling import SamplingParams
 
@@ -202,6 +202,47 @@ def test_seeded_request_gives_its_tokens_alone_in_a_batch_of_64_and_in_any_order
     for i in (0, 31, 63):
         alone = GenerationEngine(model, []).generate([requests[i]])[0]
         assert alone.token_ids == together[f"q{i}"]
+
+
+# a greedy choice between two tokens whose fp32 logits differ by less than this may go either way
+# between two implementations (both sum the same products in other orders: ~1e-6 apart on this model)
+NEAR_TIE = 1e-4
+
+
+@pytest.mark.parametrize("make_config", [tiny_qwen3_5_moe_text, tiny_qwen3_moe], ids=["qwen3_5_moe", "qwen3_moe"])
+def test_greedy_generation_equals_transformers_generate(make_config):
+    """fp32 on CPU: six prompts decoded together by our engine give, token for token, what transformers'
+    `generate` (greedy, one prompt at a time, same weights) gives each, and our log-probs are the
+    log-softmax of its scores; a sequence may part from transformers' only at a near-tie of its
+    logits (then the rest is not compared)."""
+    torch.manual_seed(0)
+    config = make_config()
+    model = vm.build(config)
+    randomize_norms(model)
+    model.eval()
+    hf = hf_causal_lm(config, model)
+    vocab, new = config.vocab_size, 12
+    prompts = [tuple((11 * i + 5 * j) % vocab for j in range(2 + 3 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=new, temperature=0.0, logprobs=True, ignore_eos=True)
+    ours = GenerationEngine(model, [], seed=3).generate([Request(f"p{i}", p, params) for i, p in enumerate(prompts)])
+    compared = 0
+    for prompt, done in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        theirs = out.sequences[0, len(prompt) :].tolist()
+        assert len(done.token_ids) == len(theirs) == new
+        for t, (a, b) in enumerate(zip(done.token_ids, theirs)):
+            scores = out.scores[t][0]
+            if a != b:
+                assert scores[b] - scores[a] <= NEAR_TIE, (prompt, t)
+                break
+            assert abs(done.log_probs[t] - torch.log_softmax(scores, -1)[a].item()) <= 1e-5
+            compared += 1
+    assert compared >= len(prompts) * new // 2  # ties are rare: most tokens are compared
 
 
 def test_rollout_bench_passes_run_on_cpu():
