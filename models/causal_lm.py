@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..ops import resolve
+from ..ops import device, resolve
+from ..ops.linear import linear_ref
+from ..ops.logprob.exact import exact_logits
 from ..ops.rope import rope_cos_sin, rope_inv_freq
 from ..ops.varlen import HostOffsets, check_cu_seqlens
 from .arch import ArchConfig
@@ -53,7 +55,7 @@ class DecoderLayer(nn.Module):
         if arch.mlp_types[layer_idx] == "moe":
             self.mlp = MoeBlock(arch, ops, factory)
         else:
-            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, factory)
+            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, ops, factory)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
         self.post_attention_layernorm = RMSNorm(
             arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory
@@ -147,6 +149,7 @@ class MoeCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.sequence_parallel: UlyssesGroup | None = None
+        self.ops = ops
 
     def set_sequence_parallel(self, group: UlyssesGroup | None) -> None:
         """Run the token mixers Ulysses-parallel over `group` (None: off). Afterwards `forward` takes
@@ -184,8 +187,9 @@ class MoeCausalLM(nn.Module):
         return self.model(input_ids, position_ids, cu_seqlens, output_router_logits, cu_seqlens_cpu=cu_seqlens_cpu)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> logits [..., VOCAB] in the model dtype."""
-        return self.lm_head(hidden)
+        """hidden [..., D] -> logits [..., VOCAB]: in the model dtype, or in exact mode fp32 by the trainer
+        head's own product (`ops.logprob.exact.exact_logits`)."""
+        return self.ops.logits(hidden, self.lm_head.weight)
 
     def check_inputs(self, input_ids, position_ids, cu_seqlens, cu_seqlens_cpu=None) -> None:
         """Raise ValueError on inputs the forward cannot take, before any compute."""
@@ -210,26 +214,65 @@ class MoeCausalLM(nn.Module):
             raise ValueError("sequence-parallel forward needs packed input (cu_seqlens)")
 
 
-def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:
-    """Resolve every op the architecture needs, once (dispatch logs each choice). In an fp64 model (a
-    reference) "auto" means each op's torch code on every device, whatever VERL_MOE_OPS says: the
-    kernels compute in at most fp32 and refuse fp64 inputs. Attention's "auto" is the torch code for
-    an fp32 model too: flash attention (the varlen default on cuda) takes 16-bit inputs only."""
-    linear = "linear_attention" in arch.layer_types
+def check_exact_mode(dtype: torch.dtype) -> None:
+    """Raise ValueError (one line) where exact mode cannot hold: on cuda / npu (no exact kernels there yet:
+    the first op without one is named), for fp64 models, and on cpu with torch's vector kernels, whose
+    exp / silu / sigmoid / cos round differently in a loop's scalar tail than in its vector body, so a
+    token's result would depend on where it sits in the batch (`ATEN_CPU_CAPABILITY=default` gives every
+    loop the scalar code)."""
+    if device.is_accelerator():
+        raise ValueError(
+            f"OpsConfig.exact: op 'linear' has no exact form on {device.device_type()} yet (exact mode runs on cpu)"
+        )
+    if dtype == torch.float64:
+        raise ValueError("OpsConfig.exact is for bf16 / fp16 / fp32 models (an fp64 model is a reference already)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "DEFAULT":
+        raise ValueError(
+            f"OpsConfig.exact on cpu needs torch's scalar cpu kernels, this process runs its {capability} ones: "
+            "start it with ATEN_CPU_CAPABILITY=default"
+        )
 
-    def pick(op: str):
+
+def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> ResolvedOps:
+    """Resolve every op the architecture needs for training and decoding, once (dispatch logs each
+    choice). In an fp64 model (a reference) "auto" means each op's torch code on every device, whatever
+    VERL_MOE_OPS says: the kernels compute in at most fp32 and refuse fp64 inputs. Attention's "auto" is
+    the torch code for an fp32 model too: flash attention (the varlen default on cuda) takes 16-bit inputs
+    only. In exact mode (`OpsConfig.exact`) every op is its exact form.
+
+    Raises:
+        ValueError: an unknown or unrunnable implementation, or exact mode on a device where an op has
+            no exact form yet (the op is named).
+    """
+    linear = "linear_attention" in arch.layer_types
+    attention = "full_attention" in arch.layer_types
+    if ops.exact:
+        check_exact_mode(dtype)
+
+    def pick(op: str, needed: bool = True):
+        if not needed:
+            return None
         wide = dtype == torch.float64 or (op == "attention" and dtype == torch.float32)
         return resolve(op, ops.impl(op) or ("torch" if wide else None))
 
     return ResolvedOps(
         norm=pick("norm"),
         rope=pick("rope"),
-        attention=pick("attention"),
+        linear=pick("linear"),
+        logits=exact_logits if ops.exact else linear_ref,
+        attention=pick("attention", attention),
+        attention_decode=pick("attention.decode", attention),
+        attention_cached=pick("attention.cached", attention),
         router=pick("router"),
         experts=pick("experts"),
+        sampling=pick("sampling"),
         router_dtype=ops.router_torch_dtype(dtype),
-        gdn=pick("gdn") if linear else None,
-        conv1d=pick("conv1d") if linear else None,
+        gdn=pick("gdn", linear),
+        gdn_step=pick("gdn.step", linear),
+        conv1d=pick("conv1d", linear),
+        conv1d_step=pick("conv1d.step", linear),
+        exact=ops.exact,
     )
 
 

@@ -26,17 +26,39 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ResolvedOps:
-    """The callables one model instance uses (see `verl_moe.ops.<op>.IMPLS` for their contracts).
-    gdn and conv1d are None for models without linear-attention layers."""
+    """The callables one model instance uses, for training and for decoding (see `verl_moe.ops.<op>.IMPLS`
+    for their contracts; `logits(hidden, weight)` is the LM head's product). The linear-attention ops
+    are None for models without linear-attention layers, the attention ones for models without attention
+    layers. `exact`: every op is its exact-mode form (`OpsConfig.exact`)."""
 
     norm: Callable
     rope: Callable
-    attention: Callable
+    linear: Callable
+    logits: Callable
+    attention: Callable | None
+    attention_decode: Callable | None
+    attention_cached: Callable | None
     router: Callable
     experts: Callable
+    sampling: Callable
     router_dtype: torch.dtype
     gdn: Callable | None = None
+    gdn_step: Callable | None = None
     conv1d: Callable | None = None
+    conv1d_step: Callable | None = None
+    exact: bool = False
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose product is the resolved `linear` op: torch's GEMM, or
+    exact mode's batch-invariant form."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ResolvedOps, factory: dict):
+        super().__init__(in_features, out_features, bias=bias, **factory)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -77,10 +99,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, HKV, K
         self.output_gate = arch.attn_output_gate
         bias = arch.attention_bias
-        self.q_proj = nn.Linear(D, H * K * (2 if self.output_gate else 1), bias=bias, **factory)
-        self.k_proj = nn.Linear(D, HKV * K, bias=bias, **factory)
-        self.v_proj = nn.Linear(D, HKV * K, bias=bias, **factory)
-        self.o_proj = nn.Linear(H * K, D, bias=bias, **factory)
+        self.q_proj = Linear(D, H * K * (2 if self.output_gate else 1), bias, ops, factory)
+        self.k_proj = Linear(D, HKV * K, bias, ops, factory)
+        self.v_proj = Linear(D, HKV * K, bias, ops, factory)
+        self.o_proj = Linear(H * K, D, bias, ops, factory)
         self.q_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
         self.k_norm = RMSNorm(K, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
         self.ops = ops
@@ -97,14 +119,7 @@ class Attention(nn.Module):
         """x: [B, T, D]; cos/sin: [B, T, rotary_dim]; cu_seqlens_cpu: cu_seqlens as host ints or None;
         returns [B, T, D]. Under sequence parallelism T is this rank's share of the packed row and
         cu_seqlens describes the whole row."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, -1)
-        if self.output_gate:
-            q, gate = q.split(self.head_dim, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rope(q, k, cos, sin)
+        q, k, v, gate = self.project(x, cos, sin)
         sp = self.sequence_parallel
         if sp is not None:
             # attention needs whole sequences: trade tokens for heads (the gate stays per token)
@@ -112,20 +127,70 @@ class Attention(nn.Module):
         o = self.ops.attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if sp is not None:
             o = sp.heads_to_seq(o)
-        o = o.reshape(B, T, -1)
+        return self.output(o, gate)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, D] -> q [B, T, H, K], k / v [B, T, HKV, K] after the norms and rope, and the output
+        gate [B, T, H, K] (None without one)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, -1)
+        gate = None
         if self.output_gate:
+            q, gate = q.split(self.head_dim, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rope(q, k, cos, sin)
+        return q, k, v, gate
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [B, T, H, V] -> o_proj(o * sigmoid(gate)) [B, T, D]."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, -1)
+        if gate is not None:
             o = o * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(o)
+
+    # ---- decoding (`models/decode.py` holds the slots) ----------------------------------------
+
+    def prefill(self, x, cos, sin, offsets, cache, token_slot, token_pos, chunks=None):
+        """Prompts packed in x [1, T, D] (offsets: cu_seqlens and its host ints) into their slots: each
+        token's k / v go to `cache` (the layer's `decode.AttentionCache`) at (token_slot, token_pos).
+        Fresh slots (chunks None) attend within the prompt by the packed op, as the trainer's forward;
+        chunks [(slot, start)] that continue their slots attend to the slot's cache (`attention.cached`).
+        Returns [1, T, D]."""
+        q, k, v, gate = self.project(x, cos, sin)
+        cache.k[token_slot, :, token_pos] = k[0]
+        cache.v[token_slot, :, token_pos] = v[0]
+        scale = self.head_dim**-0.5
+        cu, cu_cpu = offsets
+        if chunks is None:
+            o = self.ops.attention(q, k, v, scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        else:
+            slots, starts = zip(*chunks)
+            o = self.ops.attention_cached(q[0], cache.k, cache.v, slots, starts, cu_cpu, scale)[None]
+        return self.output(o, gate)
+
+    def step(self, x, cos, sin, cache, kv_positions, active) -> torch.Tensor:
+        """One token per slot [0, B): x [B, 1, D]; kv_positions (rows, the position each row writes, the
+        positions each row sees), from `MoeDecoder`; inactive rows leave the cache as it was."""
+        q, k, v, gate = self.project(x, cos, sin)  # [B, 1, H | HKV, K]
+        rows, at, counts = kv_positions
+        keep = active[:, None, None]
+        cache.k[rows, :, at] = torch.where(keep, k[:, 0], cache.k[rows, :, at])
+        cache.v[rows, :, at] = torch.where(keep, v[:, 0], cache.v[rows, :, at])
+        o = self.ops.attention_decode(q[:, 0], cache.k, cache.v, counts, self.head_dim**-0.5)  # [B, H, V]
+        return self.output(o[:, None], gate)
 
 
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, factory: dict):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ResolvedOps, factory: dict):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+        self.gate_proj = Linear(hidden_size, intermediate_size, False, ops, factory)
+        self.up_proj = Linear(hidden_size, intermediate_size, False, ops, factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, ops, factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -243,8 +308,8 @@ class MoeBlock(nn.Module):
         self.gate = TopKRouter(arch, ops, factory)
         self.experts = Experts(arch, ops, factory)
         if arch.shared_expert_intermediate_size > 0:
-            self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size, factory)
-            self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False, **factory)
+            self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size, ops, factory)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, False, ops, factory)
         else:
             self.shared_expert = None
         self.checkpoint_tile_tokens: int = 0

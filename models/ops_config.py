@@ -10,6 +10,23 @@ import torch
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 # `_target_` values a Hydra mapping of this config may carry (configs/engine/*.yaml name the first)
 _TARGETS = ("verl_moe.models.OpsConfig", "verl_moe.models.ops_config.OpsConfig")
+# Exact mode's implementation of every op a model resolves (training, decoding, sampling, log-prob head).
+EXACT_IMPLS = {
+    "linear": "exact",
+    "norm": "torch",
+    "rope": "torch",
+    "attention": "exact",
+    "attention.decode": "exact",
+    "attention.cached": "exact",
+    "gdn": "exact",
+    "gdn.step": "exact",
+    "conv1d": "exact",
+    "conv1d.step": "exact",
+    "router": "exact",
+    "experts": "exact",
+    "logprob": "exact",
+    "sampling": "exact",
+}
 
 
 @dataclass(frozen=True)
@@ -35,12 +52,21 @@ class OpsConfig:
     experts: str = "auto"
     logprob: str = "auto"
     router_dtype: str = "fp32"
+    exact: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"OpsConfig.exact must be true or false, got {self.exact!r}")
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "exact":
+                continue
             if not isinstance(value, str) or not value:
                 raise ValueError(f"OpsConfig.{f.name} must be a non-empty string, got {value!r}")
+            if self.exact and f.name != "router_dtype" and value != "auto":
+                raise ValueError(
+                    f"OpsConfig.exact picks every op's implementation: leave {f.name} at auto, got {value!r}"
+                )
         if self.router_dtype not in (*ROUTER_DTYPES, "model"):
             choices = ", ".join([*ROUTER_DTYPES, "model"])
             raise ValueError(f"OpsConfig.router_dtype must be one of {choices}; got {self.router_dtype!r}")
@@ -72,8 +98,11 @@ class OpsConfig:
         return cls(**values)
 
     def impl(self, op: str) -> str | None:
-        """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto")."""
-        value = getattr(self, op)
+        """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto"): exact
+        mode's (`EXACT_IMPLS`) when exact, else the field's for an op with a field, else None."""
+        if self.exact:
+            return EXACT_IMPLS[op]
+        value = getattr(self, op, "auto") if op in {f.name for f in fields(self)} else "auto"
         return None if value == "auto" else value
 
     def router_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from ...models import MoeCausalLM
-from ...models.decode import MoeDecoder, SlotState, StepGraphs
+from ...models.decode import MoeDecoder, SlotState
 from ...ops import resolve
+from .graphs import StepGraphs
 from .sampling import (
     SETTING_DTYPES,
     SamplingParams,
@@ -160,7 +161,7 @@ class GenerationEngine:
         if device_graphs is None:  # where captures were checked against the eager step (tests on an H200)
             device_graphs = self.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
         self.graphs = StepGraphs(self.decoder) if device_graphs else None
-        self.draw = resolve("sampling")  # the op that samples rows without filters
+        self.draw = model.ops.sampling  # the op that samples rows without filters (the model resolved it)
         self.uniforms = resolve("sampling.uniforms")  # each row's number of its own stream
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...ops.conv1d.step import conv1d_state_from_prefill
 from ...ops.varlen import HostOffsets, host_values, offsets_tensor
 from ..arch import ArchConfig
-from ..layers import ResolvedOps, RMSNorm
+from ..layers import Linear, ResolvedOps, RMSNorm
 
 if TYPE_CHECKING:
     from ..process_groups import UlyssesGroup
@@ -93,11 +94,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, **factory))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **factory))
         self.norm = RMSNorm(self.head_v_dim, arch.rms_norm_eps, False, ops, factory)
-        self.out_proj = nn.Linear(self.value_dim, D, bias=False, **factory)
-        self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False, **factory)
-        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False, **factory)
-        self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False, **factory)
-        self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False, **factory)
+        self.out_proj = Linear(self.value_dim, D, False, ops, factory)
+        self.in_proj_qkv = Linear(D, conv_dim, False, ops, factory)
+        self.in_proj_z = Linear(D, self.value_dim, False, ops, factory)
+        self.in_proj_b = Linear(D, self.num_v_heads, False, ops, factory)
+        self.in_proj_a = Linear(D, self.num_v_heads, False, ops, factory)
         self.ops = ops
         self.sequence_parallel: UlyssesGroup | None = None  # set by MoeCausalLM.set_sequence_parallel
         self.checkpoint_tile_tokens = 0  # > 0: checkpointed in token tiles (see forward)
@@ -168,20 +169,11 @@ class GatedDeltaNet(nn.Module):
             # the conv and the recurrence need whole sequences: trade tokens for heads
             mixed_qkv, z, b, a = self._seq_to_heads(mixed_qkv, z, b, a)
             conv_weight, A_log, dt_bias = self._local_head_params()
-        T_row, HV = z.shape[1:3]  # under SP: the whole packed row, this rank's value heads
-        H = HV * self.num_k_heads // self.num_v_heads
         qkv = self.ops.conv1d(
             mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=conv_cu, cu_seqlens_cpu=conv_cu_cpu
         )[:, prefix:]
-        q, k, v = qkv.split([H * self.head_k_dim, H * self.head_k_dim, HV * self.head_v_dim], dim=-1)
-        q = q.reshape(B, T_row, H, self.head_k_dim)
-        k = k.reshape(B, T_row, H, self.head_k_dim)
-        v = v.reshape(B, T_row, HV, self.head_v_dim)
-        beta = torch.sigmoid(b)
-        # The decay is computed in fp32 (fp64 for an fp64 model): exp(A_log) overflows fp16 and
-        # bf16 rounding of g compounds over the whole sequence.
-        cd = torch.float64 if A_log.dtype == torch.float64 else torch.float32
-        g = -A_log.to(cd).exp() * F.softplus(a.to(cd) + dt_bias.to(cd))
+        q, k, v = self.split_qkv(qkv, z.shape[2])  # under SP: this rank's heads of the whole packed row
+        g, beta = self.gates(a, b, A_log, dt_bias)
         o, final = self.ops.gdn(
             q,
             k,
@@ -199,6 +191,87 @@ class GatedDeltaNet(nn.Module):
         if self.sequence_parallel is not None:
             o = self.sequence_parallel.heads_to_seq(o)
         return self.out_proj(o.reshape(B, T, self.value_dim)), final
+
+    def split_qkv(self, qkv: torch.Tensor, HV: int | None = None):
+        """Conv output [..., C] of HV value heads (default all) and the matching key heads -> q, k
+        [..., H, K], v [..., HV, V]."""
+        HV = HV or self.num_v_heads
+        H = HV * self.num_k_heads // self.num_v_heads
+        q, k, v = qkv.split([H * self.head_k_dim, H * self.head_k_dim, HV * self.head_v_dim], dim=-1)
+        lead = qkv.shape[:-1]
+        return q.reshape(*lead, H, self.head_k_dim), k.reshape(*lead, H, self.head_k_dim), v.reshape(*lead, HV, -1)
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor, A_log=None, dt_bias=None):
+        """g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) from the projections a, b [..., HV]
+        (A_log / dt_bias: this rank's heads under SP, default all). The decay is computed in fp32 (fp64
+        for an fp64 model): exp(A_log) overflows fp16 and bf16 rounding of g compounds over a sequence."""
+        A_log = self.A_log if A_log is None else A_log
+        dt_bias = self.dt_bias if dt_bias is None else dt_bias
+        cd = torch.float64 if A_log.dtype == torch.float64 else torch.float32
+        return -A_log.to(cd).exp() * F.softplus(a.to(cd) + dt_bias.to(cd)), torch.sigmoid(b)
+
+    # ---- decoding (`models/decode.py` holds the slots) ----------------------------------------
+
+    def prefill(self, x, offsets, cache, slot_index, starts=None) -> torch.Tensor:
+        """Prompts packed in x [1, T, D] (offsets: cu_seqlens and its host ints) into `slot_index`'s
+        slots (`cache`: the layer's `decode.LinearCache`), from fresh slots or (starts given) continuing each
+        slot's conv and recurrent state: the
+        conv runs over each chunk with its slot's last W-1 inputs in front (zeros for a fresh slot), and
+        the rule starts from its slot's state. Writes the slots' states; returns [1, T, D]."""
+        B, T, _ = x.shape
+        cu, cu_cpu = offsets
+        mixed_qkv = self.in_proj_qkv(x)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        initial_state = None
+        if starts is not None:
+            W1, N = conv_weight.shape[1] - 1, len(starts)
+            continued = torch.tensor(starts, device=x.device)[:, None, None] > 0
+            before = torch.where(continued, cache.conv[slot_index], 0).transpose(1, 2)  # [N, W-1, C]
+            pieces = [t for n in range(N) for t in (before[n], mixed_qkv[0, cu_cpu[n] : cu_cpu[n + 1]])]
+            mixed_qkv = torch.cat(pieces)[None]  # each chunk with its W-1 inputs in front
+            cu_cpu = [c + W1 * n for n, c in enumerate(cu_cpu)]
+            cu = torch.tensor(cu_cpu, dtype=torch.int32, device=x.device)
+            keep = torch.cat([torch.arange(a + W1, b) for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]).to(x.device)
+            initial_state = torch.where(continued[..., None], cache.recurrent[slot_index], 0)
+        cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu, cu_seqlens_cpu=cu_cpu)
+        qkv = self.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        if starts is not None:  # back to the chunks' own tokens and offsets
+            qkv, (cu, cu_cpu) = qkv[:, keep], offsets
+        q, k, v = self.split_qkv(qkv)
+        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))
+        o, final = self.ops.gdn(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=None,
+            initial_state=initial_state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )
+        cache.recurrent[slot_index] = final.to(cache.recurrent.dtype)
+        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, self.value_dim))
+
+    def step(self, x, cache, active) -> torch.Tensor:
+        """One token per slot [0, B): x [B, 1, D]; the conv and recurrent states of the active rows
+        advance in place, inactive rows keep theirs. Returns [B, 1, D]."""
+        B = x.shape[0]
+        x = x[:, 0]  # [B, D]
+        conv_weight = self.conv1d.weight.squeeze(1)
+        qkv, _ = self.ops.conv1d_step(
+            self.in_proj_qkv(x), cache.conv[:B], conv_weight, None, activation="silu", active=active, inplace=True
+        )
+        q, k, v = self.split_qkv(qkv)
+        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))
+        o, _ = self.ops.gdn_step(
+            q, k, v, g, beta, cache.recurrent[:B], use_qk_l2norm_in_kernel=True, active=active, inplace=True
+        )
+        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(B, 1, self.value_dim))
 
     def _seq_to_heads(self, mixed_qkv, z, b, a):
         """Ulysses exchange of the token-wise projections: mixed_qkv [B, T/sp, C], z [B, T/sp, HV, V],

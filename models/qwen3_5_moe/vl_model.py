@@ -54,6 +54,7 @@ class MoeVisionLM(nn.Module):
         self.config, self.spec, self.arch, self.vision = hf_config, spec, arch, vision
         self.model = VisionLanguageModel(arch, vision, ops, factory)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
+        self.ops = ops
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.sequence_parallel = None

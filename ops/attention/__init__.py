@@ -2,7 +2,9 @@
 
 The dispatched `attention` callable is `causal_attention_ref`'s contract; `causal=False` (the vision
 tower's attention over each image's patches) drops the causal mask inside each packed sequence.
-`decode.py` holds the decoding op, one token per row over fixed-capacity caches (`attention.decode`).
+`decode.py` holds the decoding op, one token per row over fixed-capacity caches (`attention.decode`),
+`cached.py` the prefill of prompt chunks that continue their slots (`attention.cached`), `exact.py` exact
+mode's one per-row arithmetic behind all three.
 """
 
 from .. import device
@@ -13,6 +15,7 @@ IMPLS = {
     "torch": "verl_moe.ops.attention.reference:causal_attention_ref",
     "varlen": "verl_moe.ops.attention.varlen:causal_attention_varlen",
     "flex": "verl_moe.ops.attention.flex:causal_attention_flex",
+    "exact": "verl_moe.ops.attention.exact:causal_attention_exact",
 }
 # cuda: flash attention's varlen kernel, all packed sequences in one call (fp16/bf16; an fp32 model on
 # cuda needs attention "torch" or "flex"). npu keeps the per-sequence reference until the

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 IMPLS = {
     "torch": "verl_moe.ops.attention.decode:decode_attention_ref",
     "triton": "verl_moe.ops.attention.decode_kernel:decode_attention_triton",
+    "exact": "verl_moe.ops.attention.exact:decode_attention_exact",
 }
 ACCELERATOR_DEFAULT = "triton"
 

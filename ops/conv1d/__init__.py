@@ -9,6 +9,7 @@ from .reference import causal_conv1d_ref
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.reference:causal_conv1d_ref",
     "triton": "verl_moe.ops.conv1d.conv:causal_conv1d",
+    "exact": "verl_moe.ops.conv1d.exact:causal_conv1d_exact",
 }
 
 

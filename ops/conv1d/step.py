@@ -21,6 +21,7 @@ from .reference import ACTIVATIONS
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
     "triton": "verl_moe.ops.conv1d.step_kernel:causal_conv1d_step_triton",
+    "exact": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
 }
 
 

@@ -13,6 +13,7 @@ IMPLS = {
     "torch": "verl_moe.ops.experts.reference:moe_experts_ref",
     "grouped": "verl_moe.ops.experts.grouped:moe_experts_grouped",
     "triton": "verl_moe.ops.experts.grouped:moe_experts_triton",
+    "exact": "verl_moe.ops.experts.exact:moe_experts_exact",
 }
 # On cuda/npu the grouped-GEMM path with the Triton token moves is the default: one GEMM per
 # projection instead of E, and the sort / permutation / activation as a few kernels.

@@ -16,6 +16,7 @@ IMPLS = {
     "torch": "verl_moe.ops.gdn.reference:chunk_gated_delta_rule_ref",
     "triton": "verl_moe.ops.gdn.chunk:chunk_gated_delta_rule",
     "fla": "verl_moe.ops.gdn:fla_chunk_gated_delta_rule",
+    "exact": "verl_moe.ops.gdn.exact:recurrent_gated_delta_rule_exact",
 }
 
 

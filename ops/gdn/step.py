@@ -21,6 +21,7 @@ IMPLS = {
     "torch": "verl_moe.ops.gdn.step:gated_delta_rule_step",
     "triton": "verl_moe.ops.gdn.step_kernel:gated_delta_rule_step_triton",
     "reference": "verl_moe.ops.gdn.step:gated_delta_rule_step_ref",
+    "exact": "verl_moe.ops.gdn.exact:gated_delta_rule_step_exact",
 }
 
 

@@ -21,6 +21,7 @@ from .reference import logprobs_and_entropy_ref
 IMPLS = {
     "torch": "verl_moe.ops.logprob.chunked:logprobs_and_entropy_chunked",
     "triton": "verl_moe.ops.logprob.fused:logprobs_and_entropy_fused",
+    "exact": "verl_moe.ops.logprob.exact:logprobs_and_entropy_exact",
 }
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -12,6 +12,7 @@ from .reference import load_balancing_loss, route_ref
 IMPLS = {
     "torch": "verl_moe.ops.router.reference:route_ref",
     "triton": "verl_moe.ops.router.topk:route_triton",
+    "exact": "verl_moe.ops.router.exact:route_exact",
 }
 
 

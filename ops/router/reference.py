@@ -52,7 +52,13 @@ def route_ref(
         ValueError: bad shapes, top_k out of range, non-float dtype.
     """
     check_route_inputs(hidden, gate_weight, top_k, dtype)
-    logits = F.linear(hidden.to(dtype), gate_weight.to(dtype))
+    return route_logits(F.linear(hidden.to(dtype), gate_weight.to(dtype)), top_k, norm_topk_prob)
+
+
+def route_logits(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router after its GEMM: logits [N, E] -> (logits, topk_weight, topk_idx) as `route_ref`."""
     probs = torch.softmax(logits, dim=-1)
     topk_weight, topk_idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

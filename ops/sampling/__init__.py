@@ -21,6 +21,7 @@ from .reference import check_sampling_inputs, inverse_cdf, sample_tokens_ref
 IMPLS = {
     "torch": "verl_moe.ops.sampling.reference:sample_tokens_ref",
     "triton": "verl_moe.ops.sampling.kernel:sample_tokens_triton",
+    "exact": "verl_moe.ops.sampling.exact:sample_tokens_exact",
 }
 
 

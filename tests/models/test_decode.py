@@ -77,7 +77,7 @@ def test_decode_with_the_triton_attention_step_matches_full_forward(monkeypatch)
     monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
     model = _model(tiny_qwen3_5_moe_text())
     decoder = MoeDecoder(model)
-    assert decoder.decode_attention.__name__ == "decode_attention_triton"
+    assert model.ops.attention_decode.__name__ == "decode_attention_triton"
     tokens, logits = _greedy(decoder, PROMPTS, NEW_TOKENS)
     full = _full_forward_logits(model, [p + tokens[n].tolist() for n, p in enumerate(PROMPTS)])
     for n, p in enumerate(PROMPTS):

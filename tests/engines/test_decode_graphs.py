@@ -1,4 +1,4 @@
-"""Decode steps as captured device graphs (`models/decode.py` StepGraphs, the rollout engine's default on
+"""Decode steps as captured device graphs (`engines/rollout/graphs.py` StepGraphs, the rollout engine's default on
 CUDA) against the same steps run eagerly: the same kernels on the same shapes, so logits, tokens and
 log-probs must be bitwise equal. GPU only (CPU has no device graphs; the eager step's slot logic is
 tested on CPU in test_decode.py and tests/engines/test_rollout_slots.py)."""
@@ -27,7 +27,8 @@ def _model(dtype):
 def test_graph_step_equals_eager_step(dtype):
     """Prefill scattered slots, then steps over 4 slots with one of them idle: graph replays give the
     eager step's logits and leave the same state, and capturing does not disturb the running slots."""
-    from verl_moe.models.decode import MoeDecoder, StepGraphs
+    from verl_moe.engines.rollout.graphs import StepGraphs
+    from verl_moe.models.decode import MoeDecoder
 
     decoder = MoeDecoder(_model(dtype))
     prompts, slots = [[5, 9, 3, 7, 1], [11], [2, 4, 6, 8]], [0, 3, 1]
