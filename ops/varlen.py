@@ -83,3 +83,15 @@ def seq_bounds(
         return [(0, total_tokens)]
     values = host_values(cu_seqlens, cu_seqlens_cpu)
     return list(zip(values[:-1], values[1:]))
+
+
+def sequence_starts(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: HostOffsets | None, device
+) -> torch.Tensor:
+    """[B * T] int64: for each token of B rows of T (one packed row with cu_seqlens, else B sequences),
+    the flat index of its sequence's first token."""
+    start = torch.empty(B * T, dtype=torch.long)
+    for b in range(B):
+        for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
+            start[b * T + s : b * T + e] = b * T + s
+    return start.to(device)

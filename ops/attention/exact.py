@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..exact import exact_forward
-from ..varlen import HostOffsets, seq_bounds
+from ..varlen import HostOffsets, sequence_starts
 from .reference import causal_attention_ref, check_attention_inputs
 
 TILE = 16  # positions per online-softmax tile
@@ -74,11 +74,7 @@ def _packed_attention_rows(
         )
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    start = torch.empty(B * T, dtype=torch.long)
-    for b in range(B):
-        for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
-            start[b * T + s : b * T + e] = b * T + s
-    start = start.to(q.device)
+    start = sequence_starts(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     token = torch.arange(B * T, device=q.device)
     k_cache = k.reshape(1, B * T, *k.shape[2:]).transpose(1, 2)  # all B rows as one slot [1, HKV, B*T, K]
     v_cache = v.reshape(1, B * T, *v.shape[2:]).transpose(1, 2)

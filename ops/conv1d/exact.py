@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..exact import exact_forward
-from ..varlen import HostOffsets, seq_bounds
+from ..varlen import HostOffsets, sequence_starts
 from .reference import causal_conv1d_ref, check_conv1d_inputs
 from .step import causal_conv1d_step_ref
 
@@ -21,11 +21,7 @@ def _conv1d_by_steps(
     check_conv1d_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)
     B, T, C = x.shape
     W = weight.shape[1]
-    start = torch.empty(B * T, dtype=torch.long)
-    for b in range(B):
-        for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
-            start[b * T + s : b * T + e] = b * T + s
-    start = start.to(x.device)
+    start = sequence_starts(B, T, cu_seqlens, cu_seqlens_cpu, x.device)
     rows = x.reshape(B * T, C)
     index = torch.arange(B * T, device=x.device)[:, None] + torch.arange(1 - W, 0, device=x.device)  # [BT, W-1]
     before = (index < start[:, None])[..., None]  # predecessors outside the token's sequence read as zeros
