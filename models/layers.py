@@ -29,7 +29,7 @@ class ResolvedOps:
     """The callables one model instance uses, for training and for decoding (see `verl_moe.ops.<op>.IMPLS`
     for their contracts; `logits(hidden, weight)` is the LM head's product). The linear-attention ops
     are None for models without linear-attention layers, the attention ones for models without attention
-    layers. `exact`: every op is its exact-mode form (`OpsConfig.exact`)."""
+    layers. In exact mode (`OpsConfig.exact`) each is its op's exact form."""
 
     norm: Callable
     rope: Callable
@@ -46,7 +46,6 @@ class ResolvedOps:
     gdn_step: Callable | None = None
     conv1d: Callable | None = None
     conv1d_step: Callable | None = None
-    exact: bool = False
 
 
 class Linear(nn.Linear):

@@ -102,7 +102,7 @@ class OpsConfig:
         mode's (`EXACT_IMPLS`) when exact, else the field's for an op with a field, else None."""
         if self.exact:
             return EXACT_IMPLS[op]
-        value = getattr(self, op, "auto") if op in {f.name for f in fields(self)} else "auto"
+        value = getattr(self, op, "auto")
         return None if value == "auto" else value
 
     def router_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
