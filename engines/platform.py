@@ -18,18 +18,19 @@ What it maps:
   (`ray_resource_options`). So verl's `use_gpu=True` pools need one CPU per trainer rank, which a
   small machine grants.
 
-Two verl functions cannot be served by a platform, so each is wrapped, on this platform only:
+Three verl functions cannot be served by a platform, so each is wrapped, on this platform only:
 
 - `ResourcePoolManager._check_resource_available` (main_ppo's trainer) counts Ray's "GPU"/"NPU"
   resources whatever the platform and raises "Total available GPUs 0 is less than total desired
   GPUs N" on CPU, although the pools' bundles ask for `ray_resource_name()` = "CPU".
   `install_cpu_resource_check` counts free Ray CPUs instead. Upstream fix
   (`verl/single_controller/ray/base.py`): count `get_platform().ray_resource_name()`.
-- `initialize_global_process_group_ray` builds the backend string `cpu:gloo,<device>:<backend>`,
-  which torch rejects for device `cpu` ("Duplicate device type cpu"). `install_cpu_process_group_fix`
-  passes plain `gloo`. Upstream fix (one line in `verl/utils/distributed.py`):
-      backend = backend or (get_nccl_backend() if get_device_name() == "cpu"
-                            else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}")
+- `initialize_global_process_group_ray` (verl's Ray workers) and `initialize_global_process_group`
+  (its SPMD trainers started by torchrun, e.g. `verl.trainer.sft_trainer`) both build the backend string
+  `cpu:gloo,<device>:<backend>`, which torch rejects for device `cpu` ("Duplicate device type cpu").
+  `install_cpu_process_group_fix` makes both use plain `gloo`. Upstream fix (`verl/utils/distributed.py`,
+  where both strings are built): one helper returning `get_nccl_backend()` when `get_device_name() == "cpu"`,
+  else `f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"`, called by both functions.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ import functools
 import os
 import types
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch
+import torch.distributed
 from verl.plugin.platform import PlatformBase
 
 PLATFORM_NAME = "cpu"
@@ -172,28 +175,50 @@ def cpu_platform_selected() -> bool:
 
 
 def install_cpu_process_group_fix() -> None:
-    """Make `verl.utils.distributed.initialize_global_process_group_ray` use plain `gloo` on the
-    cpu platform; any other platform, or an explicit `backend`, passes through unchanged.
+    """Make verl's two process-group initialisers in `verl.utils.distributed` use plain `gloo` on the
+    cpu platform: `initialize_global_process_group_ray` (Ray workers; an explicit `backend` passes
+    through) and `initialize_global_process_group` (SPMD trainers under torchrun; it takes no backend).
+    Any other platform calls verl's functions unchanged.
 
-    Must run before `verl.workers.engine_workers` binds the name (the plugin loads during
-    `import verl`, before any worker module). Idempotent.
+    Must run before a caller binds either name: `verl.workers.engine_workers` imports the Ray one at
+    module level, the SFT trainer imports the SPMD one when `run_sft` starts; the plugin loads during
+    `import verl`, before both. Idempotent.
     """
     import verl.utils.distributed as verl_distributed
 
-    original = verl_distributed.initialize_global_process_group_ray
-    if getattr(original, "_verl_moe_cpu_fix", False):
-        return
+    ray_init = verl_distributed.initialize_global_process_group_ray
+    if not getattr(ray_init, "_verl_moe_cpu_fix", False):
 
-    @functools.wraps(original)
-    def initialize_global_process_group_ray(timeout_second=None, backend=None):
-        from verl.utils.device import get_device_name
+        @functools.wraps(ray_init)
+        def initialize_global_process_group_ray(timeout_second=None, backend=None):
+            from verl.utils.device import get_device_name
 
-        if backend is None and get_device_name() == "cpu":
-            backend = "gloo"
-        return original(timeout_second=timeout_second, backend=backend)
+            if backend is None and get_device_name() == "cpu":
+                backend = "gloo"
+            return ray_init(timeout_second=timeout_second, backend=backend)
 
-    initialize_global_process_group_ray._verl_moe_cpu_fix = True
-    verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+        initialize_global_process_group_ray._verl_moe_cpu_fix = True
+        verl_distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+    spmd_init = verl_distributed.initialize_global_process_group
+    if not getattr(spmd_init, "_verl_moe_cpu_fix", False):
+
+        @functools.wraps(spmd_init)
+        def initialize_global_process_group(timeout_second=36000):
+            from verl.utils.device import get_device_name
+
+            if get_device_name() != "cpu":
+                return spmd_init(timeout_second=timeout_second)
+            # verl's function with the backend it should have built; its set_device is a no-op on CPU
+            torch.distributed.init_process_group(
+                backend="gloo",
+                timeout=timedelta(seconds=timeout_second),
+                init_method=os.environ.get("DIST_INIT_METHOD", None),
+            )
+            return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+        initialize_global_process_group._verl_moe_cpu_fix = True
+        verl_distributed.initialize_global_process_group = initialize_global_process_group
 
 
 def install_cpu_resource_check() -> None:

@@ -1,13 +1,14 @@
-"""Toy inputs for verl's `main_ppo` on CPU: a byte-level tokenizer, a tiny Qwen3.5-MoE, parquet files
-and the rule rewards, all made from nothing (no download).
+"""Toy inputs for verl's `main_ppo` and SFT trainer on CPU: a byte-level tokenizer, a tiny Qwen3.5-MoE,
+parquet files and the rule rewards, all made from nothing (no download).
 
     python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S] [--model-size SIZE]
     python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [--platform cpu|gpu_single] [HYDRA_OVERRIDE ...]
 
-`data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template) and
+`data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template),
 OUT/data/{train,val}.parquet in verl's RLHF format (`prompt` as chat messages, `data_source`,
-`reward_model.ground_truth`); `train` runs verl's main_ppo on them with VERL_PLATFORM=cpu, the
-metrics in OUT/<recipe>.jsonl (verl's file logger). SIZE: `tiny` (default), `tiny-vllm` or
+`reward_model.ground_truth`) and OUT/data/sft_{train,val}.parquet, the same questions answered in
+verl's SFT format (`messages`, for `verl.trainer.sft_trainer`); `train` runs verl's main_ppo on them
+with VERL_PLATFORM=cpu, the metrics in OUT/<recipe>.jsonl (verl's file logger). SIZE: `tiny` (default), `tiny-vllm` or
 `tiny-qwen3-moe` (a Qwen3.5-MoE or Qwen3-MoE that vLLM's CPU build serves, for `--recipe tiny_cpu_vllm`),
 or `reduced`: the benchmarks' reduced Qwen3.5-MoE (`reduced_config`: 4 layers, bf16, on the GPU when there is one) and
 `--platform gpu_single` runs on one GPU (`platform=gpu_single`, VERL_PLATFORM left unset):
@@ -184,6 +185,22 @@ def gsm8k_rows(n: int, seed: int) -> list[dict]:
 TASKS = {"arith": arith_rows, "gsm8k": gsm8k_rows}
 
 
+def sft_rows(n: int, seed: int) -> list[dict]:
+    """verl's SFT format (`MultiTurnSFTDataset`, column `messages`): the question "a+b=" and the sum as
+    the assistant's answer, the only tokens the SFT loss counts."""
+    return [
+        {"messages": [*row["prompt"], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+        for row in _sum_rows(n, seed, ARITH_SOURCE)
+    ]
+
+
+def write_sft_parquet(path: str, n: int, seed: int) -> None:
+    import pandas as pd
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    pd.DataFrame(sft_rows(n, seed)).to_parquet(path)
+
+
 def write_parquet(path: str, task: str, n: int, seed: int) -> None:
     import pandas as pd
 
@@ -210,16 +227,21 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 def make(
     out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0, size: str = "tiny"
 ) -> dict[str, str]:
-    """Write model (`size`: tiny or reduced) + tokenizer and the two parquet files under `out`;
-    returns their paths."""
+    """Write model (`size`: tiny or reduced) + tokenizer, the RL parquet files (`task`) and the same
+    questions with their answers for verl's SFT trainer (`sft_train`, `sft_val`) under `out`; returns
+    their paths."""
     paths = {
         "model": os.path.join(out, "model"),
         "train": os.path.join(out, "data", "train.parquet"),
         "val": os.path.join(out, "data", "val.parquet"),
+        "sft_train": os.path.join(out, "data", "sft_train.parquet"),
+        "sft_val": os.path.join(out, "data", "sft_val.parquet"),
     }
     write_model(paths["model"], seed, size)
     write_parquet(paths["train"], task, train, seed)
     write_parquet(paths["val"], task, val, seed + 1)
+    write_sft_parquet(paths["sft_train"], train, seed)
+    write_sft_parquet(paths["sft_val"], val, seed + 1)
     return paths
 
 
@@ -262,7 +284,7 @@ def main_ppo_env(metrics_file: str, platform: str = "cpu") -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    data = sub.add_parser("data", help="write OUT/model and OUT/data/{train,val}.parquet")
+    data = sub.add_parser("data", help="write OUT/model and OUT/data/{,sft_}{train,val}.parquet")
     data.add_argument("out")
     data.add_argument("--task", default="arith", choices=sorted(TASKS))
     data.add_argument("--train", type=int, default=64)
