@@ -19,7 +19,9 @@ weights), so a training step is 3x the forward, as verl counts. Per part, forwar
   per merged token), plus bidirectional attention inside each frame: 4 DV s^2 per block.
 
 `estimate_tflops` has the signature of verl's `FlopsCounter` table entries; the plugin
-(`engines/plugin.py`) puts it there for our model types at `import verl`.
+(`engines/plugin.py`) puts it there for our model types at `import verl`. Like verl's own entries it takes
+any object with the config's fields (`full_config`): a field it lacks takes the transformers config class's
+default, and the vision config is read only for a batch with images.
 """
 
 from __future__ import annotations
@@ -107,17 +109,62 @@ def forward_flops(
     return flops
 
 
+def _fields(obj) -> dict:
+    """An object's attributes as keyword arguments; nested plain objects (a vision-language config's
+    `text_config` given as a namespace) become dicts, transformers configs stay as they are."""
+    from transformers import PretrainedConfig
+
+    if isinstance(obj, PretrainedConfig):
+        return obj.to_dict()
+    try:
+        items = vars(obj).items()
+    except TypeError:
+        raise ValueError(f"a config for the FLOPs count must carry its fields as attributes, got {obj!r}") from None
+    plain = (str, int, float, bool, list, tuple, dict, type(None))
+    return {k: v if isinstance(v, plain) or isinstance(v, PretrainedConfig) else _fields(v) for k, v in items}
+
+
+def full_config(config):
+    """`config` as an instance of transformers' config class for its `model_type`: an instance passes
+    through; any other object (verl's tests give a plain object holding only the fields verl's count
+    reads) is read onto that class, so each field it lacks takes the class's default. A vision-language
+    type given without `text_config` is read as verl reads it: its fields are the text config's.
+
+    Raises ValueError (one line) when `config` has no `model_type` transformers knows or the class
+    refuses its fields."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"the FLOPs count needs a config whose model_type transformers knows, got {model_type!r}")
+    config_cls = CONFIG_MAPPING[model_type]
+    if type(config) is config_cls:
+        return config
+    fields = _fields(config)
+    fields.pop("model_type", None)
+    if "text_config" in getattr(config_cls, "sub_configs", {}) and "text_config" not in fields:
+        fields = {"text_config": fields, "tie_word_embeddings": fields.get("tie_word_embeddings", False)}
+    try:
+        return config_cls(**fields)
+    except (TypeError, ValueError, StrictDataclassError) as exc:
+        raise ValueError(f"{model_type} config for the FLOPs count: {' '.join(str(exc).split())}") from None
+
+
 def estimate_tflops(config, tokens_sum: int, batch_seqlens: Sequence[int], delta_time: float, **kwargs) -> float:
     """verl's `FlopsCounter` table entry: achieved TFLOP/s of a training step over sequences of
     `batch_seqlens` tokens (`tokens_sum` is their sum) that took `delta_time` seconds, for the HF
-    `config` of one of our model types; the keyword `images_seqlens` (None without images) holds
-    the vision frames' patch counts."""
+    `config` of one of our model types (or any object with its fields: `full_config`); the keyword
+    `images_seqlens` (None without images) holds the vision frames' patch counts.
+
+    Raises ValueError (one line) as `full_config` does, or where our spec refuses the config."""
     from .registry import get_spec
 
+    config = full_config(config)
     spec = get_spec(config.model_type)
-    arch = spec.arch_config(spec.text_config(config))
-    vision = spec.vision_arch(config) if spec.vision_arch is not None else None
     images = kwargs.get("images_seqlens")
-    frames = [int(s) for s in images] if vision is not None and images is not None else []
+    arch = spec.arch_config(spec.text_config(config))
+    vision = spec.vision_arch(config) if spec.vision_arch is not None and images is not None else None
+    frames = [int(s) for s in images] if vision is not None else []
     flops = TRAIN_FACTOR * forward_flops(arch, [int(s) for s in batch_seqlens], vision, frames)
     return flops / delta_time / 1e12
