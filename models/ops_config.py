@@ -13,7 +13,7 @@ _TARGETS = ("verl_moe.models.OpsConfig", "verl_moe.models.ops_config.OpsConfig")
 # Exact mode's implementation of every op a model resolves (training, decoding, sampling, log-prob head).
 EXACT_IMPLS = {
     "linear": "exact",
-    "norm": "torch",
+    "norm": "exact",
     "rope": "torch",
     "attention": "exact",
     "attention.decode": "exact",

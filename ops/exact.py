@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .dispatch import resolve
+
 _TENSOR = object()  # marks a value slot held in the saved tensors
 
 
@@ -61,6 +63,28 @@ def _split(values, names):
     return values[:n], dict(zip(names, values[n:]))
 
 
+def by_device(cpu: Callable, accelerator: Callable) -> Callable:
+    """One op from two forms of it: `cpu` for tensors on the cpu (torch code, exact there with torch's scalar
+    kernels), `accelerator` on cuda / npu (Triton kernels with fixed tiles). The first tensor argument decides."""
+
+    def op(*args, **kwargs):
+        first = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        return (cpu if first.device.type == "cpu" else accelerator)(*args, **kwargs)
+
+    op.__doc__ = cpu.__doc__
+    return op
+
+
+def device_default(op: str) -> Callable:
+    """`op`'s default implementation, resolved at each call (`dispatch.resolve(op)`): the fast form of an
+    exact op on devices, whose gradient exact mode takes there."""
+
+    def fast(*args, **kwargs):
+        return resolve(op)(*args, **kwargs)
+
+    return fast
+
+
 def exact_forward(exact: Callable, fast: Callable) -> Callable:
     """The op `exact` (same arguments and returns as `fast`) made differentiable through `fast`'s gradient.
     Without a gradient to track it is `exact` itself."""
@@ -75,4 +99,4 @@ def exact_forward(exact: Callable, fast: Callable) -> Callable:
     return op
 
 
-__all__ = ["ExactForwardFunction", "exact_forward"]
+__all__ = ["ExactForwardFunction", "by_device", "device_default", "exact_forward"]

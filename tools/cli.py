@@ -83,6 +83,7 @@ def bench(
     op: str = typer.Argument(
         ...,
         help="op folder under verl_moe.ops (gdn, logprob, ...), model (a training step), rollout (decoding), "
+        "exact (exact mode against fast mode: rollout vs trainer log-probs, decode and train step), "
         "veomni / transformers (our kernels inside those projects' models)",
     ),
     case: list[str] = typer.Option([], help="case id(s) to run (default: all)"),
@@ -97,26 +98,30 @@ def bench(
         None, help="model only, -ckpt cases: 'layer' or 'tiles' (default: tiles with --offload, as the engines)"
     ),
     tile_tokens: int = typer.Option(None, help="model only: the checkpoint tile in tokens (default 16384)"),
-    batch: int = typer.Option(256, help="rollout only: sequences decoded at once"),
+    batch: int = typer.Option(256, help="rollout: sequences decoded at once; exact: requests"),
     prompt_len: int = typer.Option(128, help="rollout only: tokens per prompt"),
     new_tokens: int = typer.Option(256, help="rollout only: tokens generated per sequence"),
-    layers: int = typer.Option(4, help="rollout only: decoder layers of the reduced Qwen3.5-MoE"),
+    layers: int = typer.Option(4, help="rollout, exact: decoder layers of the reduced Qwen3.5-MoE"),
 ):
     """Time every provider of one op in one process, after a correctness check (`rollout`: our
     rollout engine's decode against transformers' generate, docs/rollout.md)."""
-    if op == "rollout":
+    if op in ("rollout", "exact"):
         from ..engines.rollout import bench as rollout_bench
+        from ..engines.rollout import exact_bench
         from .bench import write_report
         from .provenance import environment
 
         def on_record(records: list[dict]) -> None:
             print(json.dumps(records[-1]), flush=True)
             if json_path:  # rewritten after each provider: a run cut short keeps what it measured
-                report = {"tool": "bench", "op": "rollout", "argv": sys.argv, **environment(), "records": records}
+                report = {"tool": "bench", "op": op, "argv": sys.argv, **environment(), "records": records}
                 write_report(report, json_path)
 
-        providers = tuple(provider) or rollout_bench.PROVIDERS
-        records = rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, on_record)
+        if op == "exact":
+            records = exact_bench.run(batch, layers, on_record=on_record)
+        else:
+            providers = tuple(provider) or rollout_bench.PROVIDERS
+            records = rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, on_record)
         if any("error" in r for r in records):
             raise typer.Exit(1)
         return

@@ -1,5 +1,5 @@
-"""Exact mode's attention, in PyTorch (the CPU form): one per-row arithmetic for the trainer's packed
-forward, the prefill and the decode step.
+"""Exact mode's attention: one per-row arithmetic for the trainer's packed forward, the prefill and the
+decode step, in PyTorch here (the CPU form) and in one Triton kernel on devices (`exact_kernel.py`).
 
 `attention_rows`: query row r attends to positions start[r] + [0, count[r]) of its slot of a cache
 [S, HKV, L, K]. The positions are visited in tiles of TILE counted from the row's own start, with an
@@ -15,8 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..exact import exact_forward
+from ..dispatch import resolve
+from ..exact import by_device, exact_forward
 from ..varlen import HostOffsets, sequence_starts
+from .exact_kernel import attention_rows_triton
 from .reference import causal_attention_ref, check_attention_inputs
 
 TILE = 16  # positions per online-softmax tile
@@ -62,6 +64,10 @@ def attention_rows(
     return (acc / s_sum[..., None]).reshape(R, H, V).to(q.dtype)
 
 
+# `attention_rows` on the device of its arguments
+rows_on_device = by_device(attention_rows, attention_rows_triton)
+
+
 def _packed_attention_rows(
     q, k, v, scale=None, cu_seqlens=None, causal: bool = True, cu_seqlens_cpu: HostOffsets | None = None
 ) -> torch.Tensor:
@@ -79,18 +85,25 @@ def _packed_attention_rows(
     k_cache = k.reshape(1, B * T, *k.shape[2:]).transpose(1, 2)  # all B rows as one slot [1, HKV, B*T, K]
     v_cache = v.reshape(1, B * T, *v.shape[2:]).transpose(1, 2)
     slot = torch.zeros_like(token)
-    o = attention_rows(q.reshape(B * T, H, K), k_cache, v_cache, slot, start, token - start + 1, scale)
+    o = rows_on_device(q.reshape(B * T, H, K), k_cache, v_cache, slot, start, token - start + 1, scale)
     return o.reshape(B, T, H, -1)
 
 
-# the dispatched "exact" attention: attention_rows forward, the reference's gradient
-causal_attention_exact = exact_forward(_packed_attention_rows, causal_attention_ref)
+def _fast_on_device(q, k, v, scale=None, cu_seqlens=None, causal: bool = True, cu_seqlens_cpu=None):
+    """The device's attention for the gradient: its default (flash attention on cuda) for 16-bit inputs,
+    the reference for fp32 ones (flash attention takes 16-bit inputs only)."""
+    fast = resolve("attention", "torch" if q.dtype == torch.float32 else None)
+    return fast(q, k, v, scale=scale, cu_seqlens=cu_seqlens, causal=causal, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+# the dispatched "exact" attention: the per-row form forward, the fast form's gradient
+causal_attention_exact = exact_forward(_packed_attention_rows, by_device(causal_attention_ref, _fast_on_device))
 
 
 def decode_attention_exact(q, k_cache, v_cache, counts, scale):
     """`attention.decode`'s contract by `attention_rows` (row b reads slot b from position 0)."""
     rows = torch.arange(q.shape[0], device=q.device)
-    return attention_rows(q, k_cache, v_cache, rows, torch.zeros_like(rows), counts, scale)
+    return rows_on_device(q, k_cache, v_cache, rows, torch.zeros_like(rows), counts, scale)
 
 
 def cached_attention_exact(
@@ -98,7 +111,7 @@ def cached_attention_exact(
 ):
     """`attention.cached`'s contract by `attention_rows`."""
     slot, pos = _chunk_rows(slots, starts, cu_cpu, q.device)
-    return attention_rows(q, k_cache, v_cache, slot, torch.zeros_like(slot), pos + 1, scale)
+    return rows_on_device(q, k_cache, v_cache, slot, torch.zeros_like(slot), pos + 1, scale)
 
 
 def _chunk_rows(slots, starts, cu_cpu, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,17 +1,32 @@
-"""Exact mode's causal conv1d, in PyTorch (the CPU form): every token of a packed batch goes through the
-decode step's arithmetic (`step.causal_conv1d_step_ref`) with its own W-1 predecessors as the state, so a
-token's output is bitwise the decode step's at the same position. Its gradient is the reference's
-(`causal_conv1d_ref`), recomputed in backward.
+"""Exact mode's causal conv1d, on every device: every token of a packed batch goes through the decode
+step's arithmetic with its own W-1 predecessors as the state, so a token's output is bitwise the decode
+step's at the same position. The taps are added one at a time in order (`taps_in_order`): elementwise
+operations only, whose result for one element never depends on the shape of the call (a reduction's split
+may, on a GPU). Its gradient is the fast form's (the reference on cpu, the Triton kernel on devices),
+recomputed in backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..exact import exact_forward
+from ..exact import by_device, device_default, exact_forward
 from ..varlen import HostOffsets, sequence_starts
 from .reference import causal_conv1d_ref, check_conv1d_inputs
-from .step import causal_conv1d_step_ref
+from .step import conv1d_step
+
+
+def taps_in_order(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_w window[..., w] * weight[:, w] over windows [..., C, W], w = 0, 1, ...: a product, then an add."""
+    out = window[..., 0] * weight[:, 0]
+    for w in range(1, weight.shape[1]):
+        out = out + window[..., w] * weight[:, w]
+    return out
+
+
+def causal_conv1d_step_exact(x, conv_state, weight, bias=None, activation="silu", active=None, inplace=False):
+    """The `conv1d.step` op's contract (`step.causal_conv1d_step_ref`) with the taps added in order."""
+    return conv1d_step(x, conv_state, weight, bias, activation, active, inplace, taps_in_order)
 
 
 def _conv1d_by_steps(
@@ -26,11 +41,11 @@ def _conv1d_by_steps(
     index = torch.arange(B * T, device=x.device)[:, None] + torch.arange(1 - W, 0, device=x.device)  # [BT, W-1]
     before = (index < start[:, None])[..., None]  # predecessors outside the token's sequence read as zeros
     state = torch.where(before, 0, rows[index.clamp(min=0)]).transpose(1, 2)  # [BT, C, W-1], oldest first
-    out, _ = causal_conv1d_step_ref(rows, state, weight, bias, activation)
+    out, _ = causal_conv1d_step_exact(rows, state, weight, bias, activation)
     return out.reshape(B, T, C)
 
 
-# the dispatched "exact" conv1d: the step's arithmetic per token forward, the reference's gradient
-causal_conv1d_exact = exact_forward(_conv1d_by_steps, causal_conv1d_ref)
+# the dispatched "exact" conv1d: the step's arithmetic per token forward, the fast form's gradient
+causal_conv1d_exact = exact_forward(_conv1d_by_steps, by_device(causal_conv1d_ref, device_default("conv1d")))
 
-__all__ = ["causal_conv1d_exact"]
+__all__ = ["causal_conv1d_exact", "causal_conv1d_step_exact", "taps_in_order"]

@@ -21,7 +21,7 @@ from .reference import ACTIVATIONS
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
     "triton": "verl_moe.ops.conv1d.step_kernel:causal_conv1d_step_triton",
-    "exact": "verl_moe.ops.conv1d.step:causal_conv1d_step_ref",
+    "exact": "verl_moe.ops.conv1d.exact:causal_conv1d_step_exact",
 }
 
 
@@ -71,10 +71,21 @@ def causal_conv1d_step_ref(
     Raises:
         ValueError: bad shapes, dtypes or activation.
     """
+    return conv1d_step(x, conv_state, weight, bias, activation, active, inplace, weighted_sum)
+
+
+def weighted_sum(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_w window[..., w] * weight[:, w] over windows [..., C, W] and weight [C, W] (one reduction)."""
+    return (window * weight).sum(-1)
+
+
+def conv1d_step(x, conv_state, weight, bias, activation, active, inplace, taps):
+    """`causal_conv1d_step_ref` with the taps combined by `taps(window [N, C, W], weight [C, W])`, both in
+    the compute dtype."""
     check_conv1d_step_inputs(x, conv_state, weight, bias, activation, active)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, C, W], values as stored
-    out = (window.to(cd) * weight.to(cd)).sum(-1)
+    out = taps(window.to(cd), weight.to(cd))
     if bias is not None:
         out = out + bias.to(cd)
     if activation is not None:
@@ -123,4 +134,11 @@ def conv1d_state_from_prefill(
     return state.transpose(1, 2).to(dtype or x.dtype).contiguous()
 
 
-__all__ = ["IMPLS", "causal_conv1d_step_ref", "check_conv1d_step_inputs", "conv1d_state_from_prefill"]
+__all__ = [
+    "IMPLS",
+    "causal_conv1d_step_ref",
+    "check_conv1d_step_inputs",
+    "conv1d_state_from_prefill",
+    "conv1d_step",
+    "weighted_sum",
+]

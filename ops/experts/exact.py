@@ -1,7 +1,8 @@
-"""Exact mode's routed experts, in PyTorch (the CPU form). Each token copy goes through its expert's two
-projections by the batch-invariant GEMM (`ops.linear.exact.linear_rows`), so its result does not depend
-on how many tokens the expert got; the copies are combined per token in the order of its top-k slots.
-Its gradient is the reference's (`moe_experts_ref`), recomputed in backward.
+"""Exact mode's routed experts. Each token copy goes through its expert's two projections by a GEMM whose
+per-row result does not depend on how many tokens the expert got: `ops.linear.exact.linear_rows` per
+expert on cpu, the Triton grouped GEMM in its first (fixed) tile config on devices. The copies are combined
+per token in the order of its top-k slots by elementwise operations. Its gradient is the fast form's (the
+reference on cpu, the grouped path on devices), recomputed in backward.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..exact import exact_forward
+from ..exact import by_device, device_default, exact_forward
 from ..linear.exact import linear_rows
+from .grouped_gemm import ROWS_CONFIGS, grouped_gemm_rows
+from .permute import moe_sort
 from .reference import check_experts_inputs, empty_experts, moe_experts_ref
 
 
@@ -25,15 +28,40 @@ def _experts_by_rows(hidden, gate_up_proj, down_proj, topk_idx, topk_weight):
         token, slot = torch.where(topk_idx == e)
         h = linear_rows(hidden[token], gate_up_proj[e])
         y[token, slot] = linear_rows(F.silu(h[:, :I]) * h[:, I:], down_proj[e])
-    acc_dtype = torch.promote_types(hidden.dtype, topk_weight.dtype)
+    return _combine(y, topk_weight, hidden.dtype)
+
+
+def _experts_by_groups(hidden, gate_up_proj, down_proj, topk_idx, topk_weight):
+    """`moe_experts_ref`'s contract on devices: the copies sorted by expert, two grouped GEMMs in one tile
+    config (a row's result is that row's alone), the copies put back in token order and combined."""
+    check_experts_inputs(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
+    if hidden.shape[0] == 0:
+        return empty_experts(hidden, gate_up_proj, down_proj, topk_weight)
+    N, TOPK = topk_idx.shape
+    I = down_proj.shape[2]
+    routing = moe_sort(topk_idx.reshape(-1), gate_up_proj.shape[0])  # no host sync: graph-capturable
+    order = routing.src.long()
+    fixed = ROWS_CONFIGS[:1]
+    h = grouped_gemm_rows(hidden[order // TOPK], gate_up_proj.transpose(1, 2), routing.ends, fixed)
+    out = grouped_gemm_rows(F.silu(h[:, :I]) * h[:, I:], down_proj.transpose(1, 2), routing.ends, fixed)
+    y = torch.empty_like(out)
+    y[order] = out
+    return _combine(y.view(N, TOPK, -1), topk_weight, hidden.dtype)
+
+
+def _combine(y: torch.Tensor, topk_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j topk_weight[:, j] * y[:, j] over each token's copies y [N, TOPK, D], j = 0, 1, ... in order."""
+    acc_dtype = torch.promote_types(y.dtype, topk_weight.dtype)
     weight = topk_weight.to(acc_dtype)
     out = y[:, 0].to(acc_dtype) * weight[:, 0, None]
     for j in range(1, y.shape[1]):
         out = out + y[:, j].to(acc_dtype) * weight[:, j, None]
-    return out.to(hidden.dtype)
+    return out.to(dtype)
 
 
-# the dispatched "exact" experts: per-row GEMMs forward, the reference's gradient
-moe_experts_exact = exact_forward(_experts_by_rows, moe_experts_ref)
+# the dispatched "exact" experts: per-row GEMMs forward, the fast form's gradient
+moe_experts_exact = exact_forward(
+    by_device(_experts_by_rows, _experts_by_groups), by_device(moe_experts_ref, device_default("experts"))
+)
 
 __all__ = ["moe_experts_exact"]

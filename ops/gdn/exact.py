@@ -1,7 +1,7 @@
-"""Exact mode's gated delta rule, in PyTorch (the CPU form): the trainer's packed forward is the decode
-step applied token by token.
+"""Exact mode's gated delta rule: the trainer's packed forward is the decode step applied token by token,
+in PyTorch here (the CPU form) and in one Triton kernel on devices (`exact_kernel.py`).
 
-`gated_delta_rule_step_exact` is the one per-token arithmetic (the `gdn.step` op's math with every
+`gated_delta_rule_step_torch` is the one per-token arithmetic (the `gdn.step` op's math with every
 contraction written as a product and a sum over K of fixed size, where `gated_delta_rule_step` uses
 einsums whose batched kernels may change with the row count). `recurrent_gated_delta_rule_exact` runs a
 packed batch through it: at token t every sequence still running takes one step, so a token's output and
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from ..exact import exact_forward
+from ..exact import by_device, device_default, exact_forward
 from ..varlen import HostOffsets, seq_bounds
+from .exact_kernel import gated_delta_rule_rows_triton
 from .reference import check_gdn_inputs, chunk_gated_delta_rule_ref
 from .step import _keep_inactive, check_gdn_step_inputs
 
 
-def gated_delta_rule_step_exact(
+def gated_delta_rule_step_torch(
     q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, active=None, inplace=False
 ):
     """The `gdn.step` op's contract (`step.gated_delta_rule_step`), by reductions of fixed size per row."""
@@ -55,7 +56,7 @@ def _recurrent_by_steps(
     cu_seqlens=None,
     cu_seqlens_cpu: HostOffsets | None = None,
 ):
-    """`chunk_gated_delta_rule_ref`'s contract, one `gated_delta_rule_step_exact` per token position."""
+    """`chunk_gated_delta_rule_ref`'s contract, one `gated_delta_rule_step_torch` per token position."""
     check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -72,13 +73,66 @@ def _recurrent_by_steps(
     for t in range(max((e - s for s, e in bounds), default=0)):
         rows = (lengths > t).nonzero()[:, 0]  # the sequences that have a token t
         token = starts[rows] + t
-        o[token], state[rows] = gated_delta_rule_step_exact(
+        o[token], state[rows] = gated_delta_rule_step_torch(
             *(x[token] for x in flat), state[rows], scale, use_qk_l2norm_in_kernel
         )
     return o.reshape(B, T, HV, V), state if output_final_state else None
 
 
-# the dispatched "exact" gated delta rule: token-by-token steps forward, the chunked reference's gradient
-recurrent_gated_delta_rule_exact = exact_forward(_recurrent_by_steps, chunk_gated_delta_rule_ref)
+def _step_by_kernel(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, active=None, inplace=False):
+    """The `gdn.step` op's contract by the exact kernel: N sequences of one token (none for an inactive row,
+    whose state stays and whose output is zeros)."""
+    check_gdn_step_inputs(q, k, v, g, beta, state, active, inplace)
+    N = q.shape[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows = torch.arange(N, device=q.device)
+    count = torch.ones_like(rows) if active is None else active.long()
+    if not inplace:
+        state = state.float()
+    return gated_delta_rule_rows_triton(q, k, v, g, beta, state, rows, count, scale, use_qk_l2norm_in_kernel, inplace)
 
-__all__ = ["gated_delta_rule_step_exact", "recurrent_gated_delta_rule_exact"]
+
+def _recurrent_by_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu: HostOffsets | None = None,
+):
+    """`chunk_gated_delta_rule_ref`'s contract by the exact kernel: each sequence's tokens in order."""
+    check_gdn_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    if cu_seqlens is None:
+        starts = torch.arange(B, device=v.device) * T
+        lengths = torch.full_like(starts, T)
+    else:
+        bounds = cu_seqlens.to(v.device, torch.long)
+        starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    N = starts.shape[0]
+    if initial_state is None:
+        state = torch.zeros(N, HV, K, V, dtype=torch.float32, device=v.device)
+    else:
+        state = initial_state.float()
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    o, final = gated_delta_rule_rows_triton(*flat, state, starts, lengths, scale, use_qk_l2norm_in_kernel)
+    return o.reshape(B, T, HV, V), final if output_final_state else None
+
+
+# the dispatched "exact" step: the torch form on cpu, the exact kernel on devices
+gated_delta_rule_step_exact = by_device(gated_delta_rule_step_torch, _step_by_kernel)
+# the dispatched "exact" gated delta rule: token-by-token steps forward (torch on cpu, the exact kernel on
+# devices), the chunked form's gradient (the reference on cpu, the device's chunked kernels there)
+recurrent_gated_delta_rule_exact = exact_forward(
+    by_device(_recurrent_by_steps, _recurrent_by_kernel),
+    by_device(chunk_gated_delta_rule_ref, device_default("gdn")),
+)
+
+__all__ = ["gated_delta_rule_step_exact", "gated_delta_rule_step_torch", "recurrent_gated_delta_rule_exact"]

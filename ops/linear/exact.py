@@ -1,4 +1,5 @@
-"""The batch-invariant projection of exact mode, in PyTorch (the CPU form).
+"""The batch-invariant projection of exact mode: in PyTorch here (the CPU form), in Triton on devices
+(`exact_kernel.py`).
 
 A GEMM library picks its blocking (and its order of summation over K) by the shape of the call, so
 one row's result changes with how many rows share it: a decode step of 16 rows and a packed forward
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..exact import exact_forward
+from ..exact import by_device, exact_forward
+from .exact_kernel import linear_rows_triton
 from .reference import linear_ref
 
 
@@ -39,7 +41,7 @@ def _linear_rows(x, weight, bias=None):
     return linear_rows(x, weight, bias)
 
 
-# the dispatched "exact" linear: linear_rows forward, F.linear's gradient
-linear_exact = exact_forward(_linear_rows, linear_ref)
+# the dispatched "exact" linear: linear_rows (cpu) or its kernel (devices) forward, F.linear's gradient
+linear_exact = exact_forward(by_device(_linear_rows, linear_rows_triton), linear_ref)
 
 __all__ = ["linear_exact", "linear_rows"]

@@ -15,6 +15,7 @@ from .reference import rms_norm_ref
 IMPLS = {
     "torch": "verl_moe.ops.norm.reference:rms_norm_ref",
     "triton": "verl_moe.ops.norm.fused:rms_norm",
+    "exact": "verl_moe.ops.norm.exact:rms_norm_exact",
 }
 
 

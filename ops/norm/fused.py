@@ -389,9 +389,10 @@ def rms_norm_fwd(
     eps: float,
     unit_offset: bool,
     out_shape: torch.Size,
+    configs: list[dict] = FWD_CONFIGS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """x, gate, residual [rows, D] (unit column stride) -> y, h (residual only) of out_shape in
-    x.dtype, rstd [rows] fp32."""
+    x.dtype, rstd [rows] fp32. configs: what the autotuner may pick from."""
     n_rows, D = x.shape
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else None
@@ -399,7 +400,7 @@ def rms_norm_fwd(
     if n_rows > 0:
         launch(
             _rms_norm_fwd_kernel,
-            FWD_CONFIGS,
+            configs,
             AUTOTUNE_KEY,
             _rows_grid,
             x=x,
@@ -482,6 +483,7 @@ def rms_norm_bwd(
 class NormOptions:
     eps: float
     unit_offset: bool
+    first_config: bool = False  # forward in FWD_CONFIGS[0] alone, whatever the autotuner would pick
 
 
 def _as_rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -502,7 +504,8 @@ class RMSNormFunction(torch.autograd.Function):
         x2 = _as_rows(x, D)
         g2 = None if gate is None else _as_rows(gate, D)
         r2 = None if residual is None else _as_rows(residual, D)
-        y, h, rstd = rms_norm_fwd(x2, weight, g2, r2, opts.eps, opts.unit_offset, x.shape)
+        configs = FWD_CONFIGS[:1] if opts.first_config else FWD_CONFIGS
+        y, h, rstd = rms_norm_fwd(x2, weight, g2, r2, opts.eps, opts.unit_offset, x.shape, configs)
         # h is saved as the output itself (backward views it as rows): a view made here reads as a leaf
         # that requires grad once h is an output (activation offload tells such views apart by _base)
         ctx.save_for_backward(x2 if h is None else h, weight, g2, rstd)
@@ -534,6 +537,7 @@ def rms_norm(
     unit_offset: bool = False,
     gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    first_config: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim in Triton, `rms_norm_ref`'s contract and rounding (the dispatched `norm`).
 
@@ -544,6 +548,8 @@ def rms_norm(
         unit_offset: Qwen3.5's (1 + weight); not with gate.
         gate: optional [..., D]; output times silu(gate) (GatedDeltaNet's norm).
         residual: optional [..., D] in x.dtype; normalises h = x + residual (added in x.dtype).
+        first_config: run the forward in its first config only (each row's reduction then has one
+            order in every call and process: exact mode, `rms_norm_exact`).
     Returns:
         [..., D] in x.dtype; with residual (norm(h), h).
     Raises:
@@ -560,4 +566,5 @@ def rms_norm(
             raise ValueError(f"triton rms_norm: {name} is on {t.device}, x on {x.device}")
     if x.shape[-1] == 0:
         raise ValueError("triton rms_norm: D = x.shape[-1] must be >= 1")
-    return RMSNormFunction.apply(x, weight, gate, residual, NormOptions(float(eps), bool(unit_offset)))
+    opts = NormOptions(float(eps), bool(unit_offset), bool(first_config))
+    return RMSNormFunction.apply(x, weight, gate, residual, opts)

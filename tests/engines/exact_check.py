@@ -1,11 +1,12 @@
-"""Exact mode's property, checked in a process of its own (exact mode needs `ATEN_CPU_CAPABILITY=default`,
+"""Exact mode's property, checked in a process of its own (exact mode on cpu needs `ATEN_CPU_CAPABILITY=default`,
 set before torch loads): our rollout engine generates for many requests, and the trainer's view of the same
 sequences (the packed forward and the log-prob head, packed as verl's dynamic batching packs micro-batches)
 gives every response token the rollout's log-prob, bitwise.
 
-`python exact_check.py FAMILY DTYPE [OP ...]` prints one JSON line per run: the exact model as built, then the
-same model with each named op switched back to its fast form ({"switched": op, "tokens": n, "mismatched":
-tokens whose log-probs differ, "max_abs_diff": ...}). Used by `test_exact_rollout.py`.
+`python exact_check.py [--device cuda] FAMILY DTYPE [OP ...]` prints one JSON line per run: the exact model as
+built, then the same model with each named op switched back to its fast form (the torch form on cpu, the
+device's default elsewhere): {"switched": op, "tokens": n, "mismatched": tokens whose log-probs differ,
+"max_abs_diff": ...}. Used by `test_exact_rollout.py`.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def generate(model, reqs: list[Request]):
     return [done[r.request_id] for r in reqs]
 
 
-def trainer_log_probs(model, head, sequences, temperatures, micro_batches) -> list[torch.Tensor]:
+def trainer_log_probs(model, head, sequences, temperatures, micro_batches, device="cpu") -> list[torch.Tensor]:
     """Per sequence, the log-prob of each token after the first as the trainer computes it: the packed forward
     of each micro-batch (lists of sequence indices) and the log-prob head at 1 / temperature."""
     out = {}
@@ -80,11 +81,13 @@ def trainer_log_probs(model, head, sequences, temperatures, micro_batches) -> li
         cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32)
         labels = torch.cat([torch.tensor(s[1:] + [0]) for s in seqs])
         inv_t = torch.cat([1.0 / torch.full((len(sequences[n]),), temperatures[n]) for n in group])
+        cu_cpu = cu.tolist()
+        ids, pos, cu, labels, inv_t = (t.to(device) for t in (ids, pos, cu, labels, inv_t))
         with torch.no_grad():
-            hidden = model(ids, pos, cu, cu_seqlens_cpu=cu.tolist()).last_hidden_state[0]
+            hidden = model(ids, pos, cu, cu_seqlens_cpu=cu_cpu).last_hidden_state[0]
             log_probs, _ = head(hidden, model.lm_head.weight, labels, inv_t, calculate_entropy=False)
         for n, a, b in zip(group, cu[:-1].tolist(), cu[1:].tolist()):
-            out[n] = log_probs[a : b - 1]
+            out[n] = log_probs[a : b - 1].cpu()
     return [out[n] for n in range(len(sequences))]
 
 
@@ -95,15 +98,16 @@ def packings(n: int) -> list[list[list[int]]]:
     return [[list(range(n))], [order[:1], order[1:4], order[4:9], order[9:]], [[i] for i in reversed(range(n))]]
 
 
-def switched(model, field: str | None):
+def switched(model, field: str | None, device: str = "cpu"):
     """The model with one op (a ResolvedOps field, or "logprob") back in its fast form; its head."""
+    fast_impl = "torch" if device == "cpu" else None
     head = logprob_head("exact")
     if field is None:
         return head
     if field == "logprob":
-        return logprob_head("torch")
+        return logprob_head(fast_impl)
     ops = model.ops
-    fast = linear_ref if field == "logits" else resolve(FAST[field], "torch")
+    fast = linear_ref if field == "logits" else resolve(FAST[field], fast_impl)
     new = dataclasses.replace(ops, **{field: fast})
     for module in model.modules():
         if getattr(module, "ops", None) is ops:
@@ -111,18 +115,19 @@ def switched(model, field: str | None):
     return head
 
 
-def check(family: str, dtype: str, field: str | None) -> dict:
+def check(family: str, dtype: str, field: str | None, device: str = "cpu") -> dict:
     torch.manual_seed(0)
     model = vm.build(FAMILIES[family](), dtype=DTYPES[dtype], ops=vm.OpsConfig(exact=True))
     randomize_norms(model)
-    head = switched(model.eval(), field)
+    model = model.to(device)
+    head = switched(model.eval(), field, device)
     reqs = requests()
     completions = generate(model, reqs)
     sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
     temperatures = [r.params.temperature for r in reqs]
     mismatched, tokens, worst = 0, 0, 0.0
     for micro_batches in packings(len(reqs)):
-        trainer = trainer_log_probs(model, head, sequences, temperatures, micro_batches)
+        trainer = trainer_log_probs(model, head, sequences, temperatures, micro_batches, device)
         for r, c, lp in zip(reqs, completions, trainer):
             rollout = torch.tensor(c.log_probs, dtype=torch.float32)
             ours = lp[len(r.prompt_ids) - 1 :]
@@ -133,6 +138,10 @@ def check(family: str, dtype: str, field: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    family, dtype, *fields = sys.argv[1:]
+    args = sys.argv[1:]
+    device = "cpu"
+    if args[0] == "--device":
+        device, args = args[1], args[2:]
+    family, dtype, *fields = args
     for field in [None, *fields]:
-        print(json.dumps(check(family, dtype, field)), flush=True)
+        print(json.dumps(check(family, dtype, field, device)), flush=True)

@@ -17,10 +17,14 @@ from tiny_models import tiny_qwen3_moe
 CHECK = os.path.join(os.path.dirname(__file__), "exact_check.py")
 
 
-def _run(family: str, dtype: str, *switched: str) -> list[dict]:
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+def _run(family: str, dtype: str, *switched: str, device: str = "cpu") -> list[dict]:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"} if device == "cpu" else dict(os.environ)
     done = subprocess.run(
-        [sys.executable, CHECK, family, dtype, *switched], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, CHECK, "--device", device, family, dtype, *switched],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -63,6 +67,27 @@ def test_each_op_back_in_its_fast_form_breaks_equality(family):
     assert [r["switched"] for r in switched] == SWITCHED[family]
     unaffected = [r["switched"] for r in switched if r["mismatched"] == 0]
     assert not unaffected, f"ops whose fast form still matched: {unaffected}"
+
+
+# On the GPU the fast forms differ from the exact ones at every op that reduces; these show at tiny shapes.
+SWITCHED_GPU = {
+    "qwen3_5_moe": ["linear", "logits", "attention", "gdn", "gdn_step", "experts", "logprob"],
+    "qwen3_moe": ["attention_decode", "router"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_rollout_log_probs_equal_the_trainers_bitwise_on_gpu(family, dtype):
+    """The same check on the GPU (the Triton exact forms); in bf16 also each op switched back to the device's
+    fast form: some token's log-probs differ (reported per op; at least one op shows)."""
+    exact, *switched = _run(family, dtype, *(SWITCHED_GPU[family] if dtype == "bf16" else ()), device="cuda")
+    assert exact["tokens"] > 250
+    assert exact["mismatched"] == 0, exact
+    print(json.dumps(switched))
+    assert not switched or any(r["mismatched"] > 0 for r in switched), switched
 
 
 def test_exact_mode_refuses_torch_vector_kernels():

@@ -1,0 +1,199 @@
+"""`verl-moe bench exact`: exact mode against fast mode on the reduced Qwen3.5-MoE, in one process, on one
+set of weights.
+
+Requests shaped like an RL step (`rl_requests`): `requests` prompts of uniform random lengths in
+[32, 512] tokens, each generating a uniform random number of tokens in [16, 256] (`ignore_eos`, temperature
+1, log-probs on), from fixed seeds. For each mode (the model's ops resolved fast, then exact):
+
+- the rollout: a fresh `GenerationEngine` generates them all (`cold_generate_s`: captures, autotuning), then
+  a second engine generates them again (`prefill_s`, `decode_s`, and `decode_step_ms` = decode_s over the
+  longest request's decode steps);
+- the trainer: the prompt + response sequences packed into micro-batches of at most `micro_batch_tokens`
+  tokens, forward and log-prob head (the fast head, or exact mode's), and each response token's log-prob
+  compared with the one the rollout returned: `max_abs_logprob_diff`, `mean_abs_logprob_diff`,
+  `mismatched_tokens` (exact mode: 0 and 0.0 is the claim);
+- the training step: forward, the head's mean log-prob as the loss, backward, over the first micro-batch
+  (`train_step_ms`, median of 3 after one warm-up).
+
+Records carry `mode`, `requests`, `tokens` (response tokens compared) and the fields above; the exact record
+also `decode_ratio` and `train_ratio` (exact over fast).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ...ops import device as devices
+
+MODES = ("fast", "exact")
+
+
+def rl_requests(n: int, vocab: int, seed: int = 0, prompt_lens=(32, 512), new_tokens=(16, 256)):
+    """n requests with prompt lengths and generation lengths uniform in the given inclusive ranges."""
+    from .engine import Request
+    from .sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(prompt_lens[0], prompt_lens[1] + 1, (1,), generator=gen))
+        new = int(torch.randint(new_tokens[0], new_tokens[1] + 1, (1,), generator=gen))
+        prompt = tuple(torch.randint(0, vocab, (length,), generator=gen).tolist())
+        params = SamplingParams(max_tokens=new, temperature=1.0, logprobs=True, ignore_eos=True)
+        out.append(Request(f"r{i}", prompt, params))
+    return out
+
+
+def use_ops(model, ops) -> None:
+    """Point every module of `model` that holds the model's resolved ops at `ops` instead."""
+    current = model.ops
+    for module in model.modules():
+        if getattr(module, "ops", None) is current:
+            module.ops = ops
+
+
+def _synced(fn: Callable, *args, **kwargs):
+    devices.synchronize()
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    devices.synchronize()
+    return time.perf_counter() - start, out
+
+
+def _generate(model, requests):
+    """A fresh engine generates `requests`: (prefill s, decode s, completions in request order)."""
+    from .engine import GenerationEngine
+
+    engine = GenerationEngine(model, [], seed=0, max_num_seqs=len(requests))
+    prefill_s, added = _synced(engine.add, requests)
+    done = {c.request_id: c for c in added}
+
+    def decode():
+        while engine.num_running:
+            done.update((c.request_id, c) for c in engine.step(64))
+
+    decode_s, _ = _synced(decode)
+    return prefill_s, decode_s, [done[r.request_id] for r in requests]
+
+
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    groups, used = [[]], 0
+    for n, length in enumerate(lengths):
+        if groups[-1] and used + length > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += length
+    return groups
+
+
+def _packed(sequences, group, dev):
+    seqs = [sequences[n] for n in group]
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(dev)[None]
+    cu_cpu = [0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()]
+    labels = torch.cat([torch.tensor(s[1:] + [0]) for s in seqs]).to(dev)
+    return ids, pos, torch.tensor(cu_cpu, dtype=torch.int32, device=dev), cu_cpu, labels
+
+
+def _trainer_log_probs(model, head, sequences, groups, dev) -> list[torch.Tensor]:
+    out = {}
+    for group in groups:
+        ids, pos, cu, cu_cpu, labels = _packed(sequences, group, dev)
+        inv_t = torch.ones(labels.shape[0], device=dev)
+        with torch.no_grad():
+            hidden = model(ids, pos, cu, cu_seqlens_cpu=cu_cpu).last_hidden_state[0]
+            log_probs, _ = head(hidden, model.lm_head.weight, labels, inv_t, calculate_entropy=False)
+        for n, a, b in zip(group, cu_cpu[:-1], cu_cpu[1:]):
+            out[n] = log_probs[a : b - 1].float().cpu()
+    return [out[n] for n in range(len(sequences))]
+
+
+def _train_step_s(model, head, sequences, group, dev) -> float:
+    ids, pos, cu, cu_cpu, labels = _packed(sequences, group, dev)
+    inv_t = torch.ones(labels.shape[0], device=dev)
+
+    def step():
+        hidden = model(ids, pos, cu, cu_seqlens_cpu=cu_cpu).last_hidden_state[0]
+        log_probs, _ = head(hidden, model.lm_head.weight, labels, inv_t, calculate_entropy=False)
+        (-log_probs.mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    return sorted(_synced(step)[0] for _ in range(3))[1]
+
+
+def run(
+    requests: int = 256,
+    layers: int = 4,
+    micro_batch_tokens: int = 16384,
+    on_record: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Both modes on the reduced model; one record per mode (see the module docstring).
+
+    Raises:
+        ValueError: no accelerator (the reduced model needs ~20 GiB).
+    """
+    from ...models import OpsConfig, build
+    from ...models.causal_lm import resolve_ops
+    from ...models.train_step_bench import reduced_config
+    from ...ops.logprob import logprob_head
+
+    if not devices.is_accelerator():
+        raise ValueError("verl-moe bench exact needs a cuda device (the reduced model)")
+    dev = devices.current_device()
+    torch.manual_seed(0)
+    config = reduced_config(layers)
+    model = build(config, dtype=torch.bfloat16, device=dev)
+    fast_ops = model.ops
+    exact_ops = resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)
+    reqs = rl_requests(requests, config.vocab_size)
+    records = []
+    for mode in MODES:
+        ops, head = (exact_ops, logprob_head("exact")) if mode == "exact" else (fast_ops, logprob_head())
+        use_ops(model, ops)
+        devices.empty_cache()
+        devices.reset_peak_memory_stats()
+        cold_s, _ = _synced(_generate, model, reqs)
+        prefill_s, decode_s, completions = _generate(model, reqs)
+        sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
+        groups = _micro_batches([len(s) for s in sequences], micro_batch_tokens)
+        trainer = _trainer_log_probs(model, head, sequences, groups, dev)
+        diffs = torch.cat(
+            [
+                (lp[len(r.prompt_ids) - 1 :] - torch.tensor(c.log_probs, dtype=torch.float32)).abs()
+                for r, c, lp in zip(reqs, completions, trainer)
+            ]
+        )
+        steps = max(r.params.max_tokens for r in reqs) - 1
+        record = {
+            "mode": mode,
+            "requests": len(reqs),
+            "layers": layers,
+            "tokens": diffs.numel(),
+            "max_abs_logprob_diff": diffs.max().item(),
+            "mean_abs_logprob_diff": diffs.mean().item(),
+            "mismatched_tokens": int((diffs != 0).sum()),
+            "cold_generate_s": cold_s,
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "decode_step_ms": decode_s / steps * 1e3,
+            "train_step_ms": _train_step_s(model, head, sequences, groups[0], dev) * 1e3,
+            "train_tokens": sum(len(sequences[n]) for n in groups[0]),
+            "peak_GiB": devices.max_memory_allocated() / 2**30,
+        }
+        if mode == "exact" and records:
+            fast = records[0]
+            record["decode_ratio"] = record["decode_step_ms"] / fast["decode_step_ms"]
+            record["train_ratio"] = record["train_step_ms"] / fast["train_step_ms"]
+        records.append(record)
+        if on_record:
+            on_record(records)
+    use_ops(model, fast_ops)
+    return records
+
+
+__all__ = ["MODES", "rl_requests", "run", "use_ops"]
