@@ -21,12 +21,12 @@ also `decode_ratio` and `train_ratio` (exact over fast).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from ...ops import device as devices
+from .bench import _synced
 
 MODES = ("fast", "exact")
 
@@ -55,12 +55,10 @@ def use_ops(model, ops) -> None:
             module.ops = ops
 
 
-def _synced(fn: Callable, *args, **kwargs):
-    devices.synchronize()
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    devices.synchronize()
-    return time.perf_counter() - start, out
+def _seconds(fn: Callable, *args, **kwargs):
+    """(wall seconds of fn(*args, **kwargs), its result), the device synchronised around it."""
+    ms, out = _synced(fn, *args, **kwargs)
+    return ms / 1e3, out
 
 
 def _generate(model, requests):
@@ -68,14 +66,14 @@ def _generate(model, requests):
     from .engine import GenerationEngine
 
     engine = GenerationEngine(model, [], seed=0, max_num_seqs=len(requests))
-    prefill_s, added = _synced(engine.add, requests)
+    prefill_s, added = _seconds(engine.add, requests)
     done = {c.request_id: c for c in added}
 
     def decode():
         while engine.num_running:
             done.update((c.request_id, c) for c in engine.step(64))
 
-    decode_s, _ = _synced(decode)
+    decode_s, _ = _seconds(decode)
     return prefill_s, decode_s, [done[r.request_id] for r in requests]
 
 
@@ -123,7 +121,7 @@ def _train_step_s(model, head, sequences, group, dev) -> float:
         model.zero_grad(set_to_none=True)
 
     step()
-    return sorted(_synced(step)[0] for _ in range(3))[1]
+    return sorted(_seconds(step)[0] for _ in range(3))[1]
 
 
 def run(
@@ -157,7 +155,7 @@ def run(
         use_ops(model, ops)
         devices.empty_cache()
         devices.reset_peak_memory_stats()
-        cold_s, _ = _synced(_generate, model, reqs)
+        cold_s, _ = _seconds(_generate, model, reqs)
         prefill_s, decode_s, completions = _generate(model, reqs)
         sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
         groups = _micro_batches([len(s) for s in sequences], micro_batch_tokens)
