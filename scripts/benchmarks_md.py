@@ -342,6 +342,31 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
     return table(header, rows, right=set(range(1, len(header)))) + "\n\n" + footer(reports)
 
 
+def exact_section(reports: list[tuple[str, dict]]) -> str:
+    header = ["mode", "tokens", "mismatched", "max abs Δ log-prob", "mean abs Δ", "decode step ms", "train step ms"]
+    header += ["train tokens", "peak GiB"]
+    rows = []
+    for _, rep in reports:
+        for r in rep["records"]:
+            decode, train = num(r["decode_step_ms"], 3), num(r["train_step_ms"], 4)
+            if "decode_ratio" in r:
+                decode, train = f"{decode} ({num(r['decode_ratio'], 3)}x)", f"{train} ({num(r['train_ratio'], 3)}x)"
+            rows.append(
+                [
+                    r["mode"],
+                    str(r["tokens"]),
+                    str(r["mismatched_tokens"]),
+                    num(r["max_abs_logprob_diff"], 4),
+                    num(r["mean_abs_logprob_diff"], 3),
+                    decode,
+                    train,
+                    str(r["train_tokens"]),
+                    num(r["peak_GiB"], 3),
+                ]
+            )
+    return table(header, rows, right=set(range(1, len(header)))) + "\n\n" + footer(reports)
+
+
 def align_section(name: str, rep: dict) -> str:
     golden = rep["golden"]
     backends = {b["label"]: b for b in rep["backends"]}
@@ -419,7 +444,8 @@ def load() -> dict[str, dict]:
 
 def render(reports: dict[str, dict]) -> str:
     bench = [(n, r) for n, r in reports.items() if r["tool"] == "bench"]
-    ops = [(n, r) for n, r in bench if r["op"] not in ("model", "rollout", *INTEGRATION_ANCHORS)]
+    ops = [(n, r) for n, r in bench if r["op"] not in ("model", "rollout", "exact", *INTEGRATION_ANCHORS)]
+    exact = [(n, r) for n, r in bench if r["op"] == "exact"]
     integrations = {op: [(n, r) for n, r in bench if r["op"] == op] for op in INTEGRATION_ANCHORS}
     decode = [(n, r) for n, r in bench if r["op"] == "rollout"]
     model = [(n, r) for n, r in bench if r["op"] == "model"]
@@ -498,6 +524,16 @@ def render(reports: dict[str, dict]) -> str:
             "batch; first pass = a batch of new lengths after a warm-up batch of others; step = the same lengths "
             "again; floor = bytes a step must move over the measured copy bandwidth. Tokens/s include the prefill.",
             decode_section(decode),
+        ]
+    if exact:
+        sections += [
+            "## Exact mode against fast mode",
+            "`verl-moe bench exact` (engines/rollout/exact_bench.py): the reduced Qwen3.5-MoE with 4 layers, "
+            "vocabulary 248,320, bf16, 256 RL-shaped requests (prompts 32-512 tokens, 16-256 new tokens, fixed "
+            "seeds); the rollout's log-prob of each response token against the trainer's packed forward + head over "
+            "the same sequences (micro-batches of <= 16,384 tokens), one process, one set of weights. Ratios divide "
+            "exact by fast. The cost targets (decode <= 1.3x, train step <= 1.25x) are not met yet.",
+            exact_section(exact),
         ]
     if rollout:
         sections += [
