@@ -233,6 +233,11 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
     elif engine_config.qat.enable:
         raise ValueError("QAT is not supported by MoeFsdp2Engine (qat.enable)")
     settings = lora_settings(model_config)
+    if settings is not None and ops_config(engine_config).exact:
+        raise ValueError(
+            f"LoRA (model.lora_rank={settings.rank}) cannot run in exact mode (ops.exact=true): its adapter "
+            "matmuls have no exact form; set lora_rank=0 or ops.exact=false"
+        )
     offload_patterns = ()
     if veomni and engine_config.enable_async_activation_offload:
         offload_patterns = tuple(engine_config.activation_offload_modules)

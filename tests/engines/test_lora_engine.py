@@ -246,6 +246,15 @@ def test_bad_lora_keys_raise_naming_them(keys, message):
         validate_engine_config(_model_config(**keys), MoeFsdp2EngineConfig(), 2)
 
 
+def test_lora_in_exact_mode_is_refused_naming_both():
+    """The adapters' matmuls (`models/lora.py`) are torch's GEMMs, not exact forms: exact mode would not hold."""
+    engine_config = MoeFsdp2EngineConfig(ops=vm.OpsConfig(exact=True))
+    message = "LoRA (model.lora_rank=8) cannot run in exact mode (ops.exact=true)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_engine_config(_model_config(lora_rank=8), engine_config, 2)
+    validate_engine_config(_model_config(), engine_config, 2)
+
+
 def test_lora_keys_pass_validation():
     validate_engine_config(_model_config(lora_rank=8), MoeFsdp2EngineConfig(), 2)
     validate_engine_config(_model_config(lora_rank=8, target_modules=TARGETS, exclude_modules=".*layers\\.0\\..*"),
