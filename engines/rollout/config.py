@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 ROLLOUT_NAME = "verl_moe"
+# verl's rollout config, where refusals point a user
+ROLLOUT_KEY = "actor_rollout_ref.rollout"
+OPTIONS_KEY = f"{ROLLOUT_KEY}.engine_kwargs.{ROLLOUT_NAME}"
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -45,12 +48,12 @@ class RolloutOptions:
 
     def __post_init__(self):
         if self.steps_per_call < 1:
-            raise ValueError(f"engine_kwargs.verl_moe.steps_per_call must be >= 1, got {self.steps_per_call}")
+            raise ValueError(f"{OPTIONS_KEY}.steps_per_call must be >= 1, got {self.steps_per_call}")
         for name in ("sync_every", "max_prefill_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"engine_kwargs.verl_moe.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{OPTIONS_KEY}.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0:
-            raise ValueError(f"engine_kwargs.verl_moe.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+            raise ValueError(f"{OPTIONS_KEY}.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 
     @classmethod
     def from_rollout_config(cls, config: Any) -> RolloutOptions:
@@ -60,7 +63,7 @@ class RolloutOptions:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(valid))
         if unknown:
-            raise ValueError(f"engine_kwargs.{ROLLOUT_NAME}: unknown key(s) {unknown}; valid: {valid}")
+            raise ValueError(f"{OPTIONS_KEY}: unknown key(s) {unknown}; valid: {valid}")
         if values.get("ops") is not None:
             values["ops"] = dict(values["ops"])
         return cls(**values)
@@ -70,8 +73,8 @@ def rollout_dtype(name: str) -> torch.dtype:
     """torch dtype of `rollout.dtype` ("bfloat16", "float32", ...). Raises ValueError naming the choices."""
     key = str(name).lower().removeprefix("torch.")
     if key not in DTYPES:
-        raise ValueError(f"rollout.dtype {name!r} is not one of {sorted(DTYPES)}")
+        raise ValueError(f"{ROLLOUT_KEY}.dtype={name!r} is not one of {sorted(DTYPES)}")
     return DTYPES[key]
 
 
-__all__ = ["DTYPES", "ROLLOUT_NAME", "RolloutOptions", "rollout_dtype"]
+__all__ = ["DTYPES", "OPTIONS_KEY", "ROLLOUT_KEY", "ROLLOUT_NAME", "RolloutOptions", "rollout_dtype"]

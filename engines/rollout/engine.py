@@ -38,6 +38,7 @@ import torch
 from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
 from ...ops import resolve
+from .config import OPTIONS_KEY, ROLLOUT_KEY
 from .graphs import StepGraphs
 from .sampling import (
     SETTING_DTYPES,
@@ -71,7 +72,9 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int 
         raise ValueError("prompt is empty: generation needs at least one prompt token")
     low, high = min(prompt_ids), max(prompt_ids)
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"prompt token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"prompt token id {low if low < 0 else high} is outside the model's vocabulary [0, vocab_size={vocab_size})"
+        )
     if max_positions is not None and len(prompt_ids) > max_positions:
         raise ValueError(
             f"prompt of {len(prompt_ids)} tokens is longer than the model's max_position_embeddings={max_positions}"
@@ -147,11 +150,13 @@ class GenerationEngine:
         device_graphs: bool | None = None,
         max_prefill_tokens: int = 32768,
     ):
-        if min(max_num_seqs, sync_every, max_prefill_tokens) < 1:
-            raise ValueError(
-                f"max_num_seqs, sync_every and max_prefill_tokens must be >= 1, got {max_num_seqs}, {sync_every}, "
-                f"{max_prefill_tokens}"
-            )
+        for key, value in (
+            (f"{ROLLOUT_KEY}.max_num_seqs", max_num_seqs),
+            (f"{OPTIONS_KEY}.sync_every", sync_every),
+            (f"{OPTIONS_KEY}.max_prefill_tokens", max_prefill_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
         self.max_prefill_tokens = max_prefill_tokens
         self.decoder = MoeDecoder(model)
         self.vocab_size = model.arch.vocab_size
@@ -309,7 +314,8 @@ class GenerationEngine:
         running = len(self._slots) - len(free)
         if running + len(requests) > self.max_num_seqs:
             raise ValueError(
-                f"{len(requests)} requests do not fit: {running} of max_num_seqs={self.max_num_seqs} slots are running"
+                f"{len(requests)} requests do not fit: {running} of max_num_seqs={self.max_num_seqs} slots are running "
+                f"({ROLLOUT_KEY}.max_num_seqs)"
             )
         need_slots = running + len(requests) if len(free) < len(requests) else len(self._slots)
         need_len = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)

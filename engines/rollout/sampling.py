@@ -32,10 +32,13 @@ import torch
 
 from ...ops import resolve
 from ...ops.sampling.uniforms import stream_uniform
+from .config import ROLLOUT_KEY, ROLLOUT_NAME
 
 GREEDY_EPS = 1e-5  # vLLM's: temperatures below it mean greedy
 # Keys verl's agent loops and LLMServerClient send that change nothing here.
 _IGNORED_KEYS = ("n", "detokenize", "skip_special_tokens", "spaces_between_special_tokens")
+# what verl's agent loop takes from its rollout config (or val_kwargs) into every request
+_VERL_SET = ("temperature", "top_p", "top_k")
 
 
 @dataclass(frozen=True)
@@ -64,18 +67,17 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name, ok, bounds in (
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("min_tokens", self.min_tokens >= 0, ">= 0"),
+        ):
+            if not ok:
+                where = f" ({ROLLOUT_KEY}.{name}; val_kwargs.{name} in validation)" if name in _VERL_SET else ""
+                raise ValueError(f"sampling parameter {name} must be {bounds}, got {getattr(self, name)}{where}")
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +97,9 @@ class SamplingParams:
         given = {k for k, v in params.items() if v is not None}  # None means "not set"
         unknown = sorted(given - known - set(_IGNORED_KEYS))
         if unknown:
-            raise ValueError(f"sampling parameter(s) {unknown} not supported by the verl_moe rollout")
+            raise ValueError(
+                f"sampling parameter(s) {unknown} not supported by the {ROLLOUT_NAME} rollout; it takes {sorted(known)}"
+            )
         kwargs = {k: params[k] for k in known - {"max_tokens", "max_new_tokens"} if params.get(k) is not None}
         if "logprobs" in kwargs:
             kwargs["logprobs"] = bool(kwargs["logprobs"])

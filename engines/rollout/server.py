@@ -33,7 +33,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from .config import RolloutOptions
+from .config import ROLLOUT_KEY, RolloutOptions
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams
 
@@ -85,7 +85,8 @@ class MoeRolloutServer:
         )
         self.options = RolloutOptions.from_rollout_config(self.config)
         if self.config.enable_rollout_routing_replay:
-            raise ValueError("verl_moe rollout does not return routed experts: set enable_rollout_routing_replay=False")
+            key = f"{ROLLOUT_KEY}.enable_rollout_routing_replay"
+            raise ValueError(f"verl_moe rollout does not return routed experts: set {key}=false")
         self.replica_rank, self.rollout_mode = replica_rank, rollout_mode
         self.engine = engine if engine is not None else RayEngineClient(workers[0], replica_rank)
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
@@ -140,7 +141,10 @@ class MoeRolloutServer:
         context = min(self.max_model_len, self._limits["max_positions"])
         room = context - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within {context} tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within {context} tokens: "
+                f"{self._context_setting()}"
+            )
         params = dict(sampling_params)
         max_tokens = params.pop("max_tokens", None)
         if max_tokens is None:
@@ -149,7 +153,7 @@ class MoeRolloutServer:
             c = self.config
             max_tokens = max(1, min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids)))
         elif int(max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+            raise ValueError(f"sampling parameter max_tokens must be >= 1, got {max_tokens}")
         params.setdefault("ignore_eos", self.config.ignore_eos)
         request = Request(
             request_id=f"{request_id}#{next(self._ids)}",
@@ -169,6 +173,19 @@ class MoeRolloutServer:
             self._serving = asyncio.create_task(self._serve())
         completion, global_steps = await future
         return _token_output(completion, global_steps)
+
+    def _context_setting(self) -> str:
+        """What sets the context a request must fit: the model's max_position_embeddings where that is the
+        smaller, else verl's max_model_len, else the prompt and response lengths it defaults to."""
+        c, max_positions = self.config, self._limits["max_positions"]
+        if max_positions < self.max_model_len:
+            return f"the model's max_position_embeddings={max_positions}"
+        if c.max_model_len:
+            return f"{ROLLOUT_KEY}.max_model_len={c.max_model_len}"
+        return (
+            f"data.max_prompt_length={c.prompt_length} + data.max_response_length={c.response_length} "
+            f"({ROLLOUT_KEY}.max_model_len unset)"
+        )
 
     async def _serve(self) -> None:
         """Drive the engine until no request is queued or running (a wave), then log the wave's

@@ -12,6 +12,7 @@ Log-probs are compared bitwise only where the same operations run (one request a
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -175,20 +176,48 @@ def _one_line_error(coroutine, match: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_server_refuses_bad_requests_when_they_arrive():
-    """Refused before any engine call (no weights are loaded: the engine would fail anything)."""
+def _limited_server(max_positions: int, **config):
     hf_config = tiny_config()
-    hf_config.max_position_embeddings = 12
+    hf_config.max_position_embeddings = max_positions
     model_config = SimpleNamespace(hf_config=hf_config, generation_config=None, tokenizer=None)
-    config = _rollout_config(prompt_length=16, response_length=5)  # max_model_len 21 > 12 positions
-    _, server = _server(config, model_config)
-    _one_line_error(server.generate([1, 2], {"max_tokens": 0}, "a"), "max_tokens must be >= 1, got 0")
-    _one_line_error(server.generate([1, 2], {"max_tokens": -3}, "b"), "max_tokens must be >= 1, got -3")
+    return _server(_rollout_config(**config), model_config)[1]
+
+
+def test_server_refuses_bad_requests_when_they_arrive():
+    """Refused before any engine call (no weights are loaded: the engine would fail anything), each error
+    naming the setting or limit a user changes."""
+    server = _limited_server(12, prompt_length=16, response_length=5)  # max_model_len 21 > 12 positions
+    bad_max_tokens = "sampling parameter max_tokens must be >= 1, got"
+    _one_line_error(server.generate([1, 2], {"max_tokens": 0}, "a"), f"{bad_max_tokens} 0")
+    _one_line_error(server.generate([1, 2], {"max_tokens": -3}, "b"), f"{bad_max_tokens} -3")
     _one_line_error(server.generate([], {}, "c"), "prompt is empty")
-    _one_line_error(server.generate([1, VOCAB], {}, "d"), rf"token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)")
-    _one_line_error(server.generate([-1, 2], {}, "e"), "token id -1 is outside the vocabulary")
-    _one_line_error(server.generate([1] * 13, {}, "f"), "13 tokens is longer than the model's max_position_embeddings")
-    _one_line_error(server.generate([1] * 12, {}, "g"), "leaves no room to generate within 12 tokens")
+    vocabulary = rf"outside the model's vocabulary \[0, vocab_size={VOCAB}\)"
+    _one_line_error(server.generate([1, VOCAB], {}, "d"), rf"token id {VOCAB} is {vocabulary}")
+    _one_line_error(server.generate([-1, 2], {}, "e"), rf"token id -1 is {vocabulary}")
+    too_long = "13 tokens is longer than the model's max_position_embeddings=12"
+    _one_line_error(server.generate([1] * 13, {}, "f"), too_long)
+    no_room = "prompt of 12 tokens leaves no room to generate within 12 tokens: "
+    _one_line_error(server.generate([1] * 12, {}, "g"), re.escape(f"{no_room}the model's max_position_embeddings=12"))
+    temperature = "sampling parameter temperature must be >= 0, got -1.0 (actor_rollout_ref.rollout.temperature"
+    _one_line_error(server.generate([1, 2], {"temperature": -1}, "h"), re.escape(temperature))
+    _one_line_error(server.generate([1, 2], {"top_p": 0}, "i"), re.escape("top_p must be in (0, 1], got 0.0 (actor_"))
+    _one_line_error(server.generate([1, 2], {"best_of": 2}, "j"), r"\['best_of'\] not supported .*; it takes \[")
+
+
+@pytest.mark.parametrize(
+    ("config", "setting"),
+    [
+        ({}, "data.max_prompt_length=16 + data.max_response_length=5 (actor_rollout_ref.rollout.max_model_len unset)"),
+        ({"max_model_len": 9}, "actor_rollout_ref.rollout.max_model_len=9"),
+    ],
+)
+def test_no_room_names_the_setting_of_the_context(config, setting):
+    """The context is min(max_model_len, the model's positions); max_model_len defaults to verl's prompt +
+    response lengths, which verl's rollout config takes from `data.max_prompt_length` / `max_response_length`."""
+    server = _limited_server(64, prompt_length=16, response_length=5, **config)
+    context = config.get("max_model_len", 21)
+    message = f"prompt of {context} tokens leaves no room to generate within {context} tokens: {setting}"
+    _one_line_error(server.generate([1] * context, {}, "a"), re.escape(message))
 
 
 def test_engine_add_refuses_bad_requests_and_admits_nothing():
@@ -200,7 +229,7 @@ def test_engine_add_refuses_bad_requests_and_admits_nothing():
     bad = {
         "twice": [Request("b", PROMPTS[1], params), Request("b", PROMPTS[1], params)],
         "already running": [Request("a", PROMPTS[1], params)],
-        "outside the vocabulary": [Request("c", PROMPTS[1], params), Request("d", (VOCAB,), params)],
+        "outside the model's vocabulary": [Request("c", PROMPTS[1], params), Request("d", (VOCAB,), params)],
         "prompt is empty": [Request("e", (), params)],
         "max_position_embeddings=6": [Request("f", PROMPTS[2], params)],  # 7 tokens
     }
@@ -212,6 +241,23 @@ def test_engine_add_refuses_bad_requests_and_admits_nothing():
     while engine.num_running:
         done += engine.step(1)
     assert [c.token_ids for c in done] == [alone]
+
+
+def test_bad_engine_and_rollout_settings_are_refused_naming_them():
+    from verl_moe.engines.rollout.config import RolloutOptions, rollout_dtype
+
+    model = _model()
+    for key, kwargs in (
+        ("actor_rollout_ref.rollout.max_num_seqs", {"max_num_seqs": 0}),
+        ("actor_rollout_ref.rollout.engine_kwargs.verl_moe.sync_every", {"sync_every": 0}),
+        ("actor_rollout_ref.rollout.engine_kwargs.verl_moe.max_prefill_tokens", {"max_prefill_tokens": 0}),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"{key} must be >= 1, got 0")):
+            GenerationEngine(model, [], **kwargs)
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout.engine_kwargs.verl_moe.steps_per_call")):
+        RolloutOptions(steps_per_call=0)
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout.dtype='int8' is not one of")):
+        rollout_dtype("int8")
 
 
 def test_bad_request_during_decode_fails_alone():
@@ -239,7 +285,7 @@ def test_bad_request_during_decode_fails_alone():
 
     errors, running_then, out = asyncio.run(scenario())
     assert running_then == 1  # the good request was still decoding when the bad ones were refused
-    assert "outside the vocabulary" in errors[0] and "max_tokens" in errors[1]
+    assert "outside the model's vocabulary" in errors[0] and "max_tokens" in errors[1]
     _, argmax = _full_logprobs(model, PROMPTS[0], out.token_ids)
     assert out.stop_reason == "completed" and len(out.token_ids) == 12 and out.token_ids == argmax.tolist()
     assert adapter._model is None  # slept
