@@ -28,6 +28,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from ...models import build, get_spec
+from ...models.layers import TopKRouter
 from .config import RolloutOptions, rollout_dtype
 from .engine import Completion, GenerationEngine, Request
 from .weights import load_named_tensors
@@ -238,6 +239,13 @@ class MoeRolloutAdapter(BaseRollout):
         config = self.model_config.hf_config
         model = build(config, dtype=self.dtype, device="meta", ops=self.options.ops, text_only=True)
         model.to_empty(device=self._device())
+        if torch.finfo(self.dtype).bits < 32:
+            # the trainer keeps every MoE router in its fp32 master dtype (models/fsdp_plan.py): held in the
+            # rollout's dtype, the router weights it sends would round, and so would the routing (exact mode
+            # then no longer equal)
+            for module in model.modules():
+                if isinstance(module, TopKRouter):
+                    module.float()
         if model.arch.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         self._model = model.eval().requires_grad_(False)

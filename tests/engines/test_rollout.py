@@ -310,6 +310,25 @@ def test_server_abort_resume_and_sleep():
         adapter.engine_run([], 1)
 
 
+def test_bf16_rollout_holds_the_routers_as_the_trainer_does():
+    """The trainer keeps each MoE router in its fp32 master dtype under bf16 mixed precision: a bf16 rollout holds
+    the router weights it receives unrounded (else exact mode's routing would differ), every other weight in bf16."""
+    from verl_moe.models.layers import TopKRouter
+
+    model = _model()
+    model.model.layers[0].mlp.gate.weight.data += 1e-4  # not bf16-representable
+    adapter = _adapter(_rollout_config(dtype="bfloat16"))
+    asyncio.run(adapter.update_weights(vm.to_vllm_named_tensors(model), global_steps=1))
+    sent = dict(model.named_parameters())
+    routers = {name for name, m in adapter._model.named_modules() if isinstance(m, TopKRouter)}
+    assert routers
+    for name, param in adapter._model.named_parameters():
+        if name.removesuffix(".weight") in routers:
+            assert param.dtype == torch.float32 and torch.equal(param, sent[name]), name
+        else:
+            assert param.dtype == torch.bfloat16, name
+
+
 def test_server_refuses_what_it_cannot_do():
     config = _rollout_config()
     server = MoeRolloutServer(config, engine=LocalEngineClient(_adapter(config)))
