@@ -41,7 +41,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl_moe.engines.batch import PackedBatch, sequence_shard, unpack_to_nested
-from verl_moe.models.causal_lm import DecoderLayer
+from verl_moe.models.fsdp_plan import decoder_layers
 from verl_moe.models.layers import MoeBlock
 from verl_moe.models.process_groups import UlyssesGroup
 
@@ -117,12 +117,12 @@ class RouterReplay:
 
     Args:
         model: the spec (`MoeCausalLM` / `MoeVisionLM`, sharded or not); its decoder layers in order
-            give the L axis of `routed_experts`.
+            give the L axis of `routed_experts` (the rollout's layers: not the MTP module's).
     Raises ValueError for a model without MoE layers.
     """
 
     def __init__(self, model: torch.nn.Module):
-        layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+        layers = list(decoder_layers(model))  # the MTP module's layers route freely: no slot
         routers = [layer.mlp.gate if isinstance(layer.mlp, MoeBlock) else None for layer in layers]
         if not any(r is not None for r in routers):
             raise ValueError(f"router_replay needs MoE layers; {type(model).__name__} has none")

@@ -7,7 +7,7 @@ invalid combination fails here, before any parameter is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -36,6 +36,8 @@ class ArchConfig:
         initializer_range: std of the normal init of fresh weights.
         pad_token_id: embedding row that gets no gradient (transformers' `padding_idx`), in
             [0, vocab_size) (transformers' own rule), or None.
+        mtp_num_hidden_layers: decoder layers of the multi-token-prediction module (Qwen3.5's `mtp.*`,
+            `models/mtp.py`); 0 for none. Each is a full-attention layer with the model's MoE block.
     """
 
     vocab_size: int
@@ -66,6 +68,7 @@ class ArchConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         n = len(self.layer_types)
@@ -124,6 +127,10 @@ class ArchConfig:
                 )
         if "dense" in self.mlp_types and self.intermediate_size <= 0:
             raise ValueError(f"dense MLP layers need intermediate_size > 0, got {self.intermediate_size}")
+        if not isinstance(self.mtp_num_hidden_layers, int) or self.mtp_num_hidden_layers < 0:
+            raise ValueError(f"mtp_num_hidden_layers must be an int >= 0, got {self.mtp_num_hidden_layers!r}")
+        if self.mtp_num_hidden_layers and "moe" not in self.mlp_types:
+            raise ValueError("MTP layers carry the model's MoE block: a model without MoE layers cannot have them")
 
     def sequence_parallel_problems(self, sp: int) -> dict[str, int]:
         """Head counts Ulysses SP of size `sp` cannot split, by field name (empty when it can):
@@ -141,6 +148,12 @@ class ArchConfig:
                 if getattr(self, name) % sp:
                     problems[name] = getattr(self, name)
         return problems
+
+    def mtp_arch(self) -> ArchConfig:
+        """The architecture of the MTP module's decoder layers: `mtp_num_hidden_layers` full-attention MoE
+        layers, same shapes as the main decoder's."""
+        n = self.mtp_num_hidden_layers
+        return replace(self, layer_types=("full_attention",) * n, mlp_types=("moe",) * n, mtp_num_hidden_layers=0)
 
     @property
     def num_hidden_layers(self) -> int:

@@ -2,7 +2,8 @@
 
 Module tree and parameter names equal transformers' `...ForCausalLM`:
 `model.embed_tokens`, `model.layers.{i}.{input_layernorm, linear_attn | self_attn,
-post_attention_layernorm, mlp}`, `model.norm`, `lm_head`.
+post_attention_layernorm, mlp}`, `model.norm`, `lm_head`; and, for a config with MTP layers, the
+checkpoint's `mtp.*` (which transformers drops): `MultiTokenPredictor`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from ..ops.logprob.exact import exact_logits
 from ..ops.rope import rope_cos_sin, rope_inv_freq
 from ..ops.varlen import HostOffsets, check_cu_seqlens
 from .arch import ArchConfig
-from .layers import Attention, DenseMLP, Experts, MoeBlock, ResolvedOps, RMSNorm
+from .layers import Attention, DenseMLP, Experts, Linear, MoeBlock, ResolvedOps, RMSNorm
+from .mtp import shift_left
 from .ops_config import OpsConfig
 from .qwen3_5_moe.gated_deltanet import GatedDeltaNet
 from .registry import ModelSpec, get_spec
@@ -131,6 +133,46 @@ class MoeTextModel(nn.Module):
         return MoeModelOutput(final, tuple(router_logits) if output_router_logits else None)
 
 
+class MultiTokenPredictor(nn.Module):
+    """Qwen3.5's multi-token-prediction module, under the checkpoint's names (`mtp.` prefix):
+    `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` [D, 2D], `layers.{k}` (full-attention decoder
+    layers with the model's MoE block), `norm`; the embedding and lm_head are the main model's. The fc
+    and the norms serve every depth (the checkpoint holds one of each, as vLLM reads it).
+
+    Depth k (1..n): h_k = norm(layer_k(fc([norm_e(embedding of token t+k); norm_h(h_{k-1})]))) with
+    h_0 the main model's final hidden state; lm_head(h_k) predicts token t+k+1 (`models/mtp.py`).
+    Attention uses the positions of t, as the main model's (vLLM's and Megatron's rotary)."""
+
+    def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
+        super().__init__()
+        D, mtp_arch = arch.hidden_size, arch.mtp_arch()
+        self.pre_fc_norm_embedding = RMSNorm(D, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+        self.pre_fc_norm_hidden = RMSNorm(D, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+        self.fc = Linear(2 * D, D, False, ops, factory)
+        self.layers = nn.ModuleList(DecoderLayer(mtp_arch, k, ops, factory) for k in range(arch.mtp_num_hidden_layers))
+        self.norm = RMSNorm(D, arch.rms_norm_eps, arch.norm_unit_offset, ops, factory)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        cu_seqlens_cpu: HostOffsets | None = None,
+    ) -> torch.Tensor:
+        """hidden [B, T, D]: the main model's final hidden states; next_embeds [n, B, T, D]: for depth k
+        the embeddings of token t+k (zero id past a sequence's end); cos / sin as the decoder layers take
+        them. Returns [n, B, T, D]: each depth's hidden state after the norm."""
+        out = []
+        for embeds, layer in zip(next_embeds, self.layers):
+            x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+            x, residual, _ = layer(self.fc(x), None, cos, sin, cu_seqlens, cu_seqlens_cpu)
+            hidden = self.norm(x, residual=residual)[0]
+            out.append(hidden)
+        return torch.stack(out)
+
+
 class MoeCausalLM(nn.Module):
     """Qwen3.5-MoE / Qwen3-MoE causal LM on verl_moe ops.
 
@@ -148,6 +190,8 @@ class MoeCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if arch.mtp_num_hidden_layers:
+            self.mtp = MultiTokenPredictor(arch, ops, factory)
         self.sequence_parallel: UlyssesGroup | None = None
         self.ops = ops
 
@@ -190,6 +234,30 @@ class MoeCausalLM(nn.Module):
         """hidden [..., D] -> logits [..., VOCAB]: in the model dtype, or in exact mode fp32 by the trainer
         head's own product (`ops.logprob.exact.exact_logits`)."""
         return self.ops.logits(hidden, self.lm_head.weight)
+
+    def mtp_hidden_states(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: HostOffsets | None = None,
+    ) -> torch.Tensor:
+        """The MTP module over a forward's output: hidden [B, T, D] (`forward`'s last_hidden_state) and the
+        forward's input_ids / position_ids / cu_seqlens -> [n, B, T, D], depth k's hidden state at t (its
+        logits predict token t+k+1; `models/mtp.py::mtp_targets` says which positions count). Token ids are
+        shifted within each sequence, never across a packed boundary. Raises ValueError for a model without
+        MTP layers."""
+        mtp = getattr(self, "mtp", None)
+        if mtp is None:
+            raise ValueError(f"{self.arch.mtp_num_hidden_layers=}: this model has no MTP layers")
+        if position_ids.dim() == 3 and position_ids.shape[0] == 4:  # verl's text row, then the mRoPE rows
+            position_ids = position_ids[1:]
+        text = self.model.language_model if hasattr(self.model, "language_model") else self.model
+        shifted = [shift_left(input_ids, k, cu_seqlens)[0] for k in range(1, len(mtp.layers) + 1)]
+        next_embeds = text.embed_tokens(torch.stack(shifted))
+        cos, sin = text.rotary(position_ids, hidden.dtype)
+        return mtp(hidden, next_embeds, cos, sin, cu_seqlens, cu_seqlens_cpu)
 
     def check_inputs(self, input_ids, position_ids, cu_seqlens, cu_seqlens_cpu=None) -> None:
         """Raise ValueError on inputs the forward cannot take, before any compute."""

@@ -13,6 +13,8 @@ as an `FsdpPlan`; `fully_shard_model` turns it into FSDP2 units:
   backward in host memory, `models/activation_offload.py`). With offload the checkpoint units are
   inside the layer (`checkpoint_in_tiles`): their inputs cost host memory, not device memory, and
   backward then holds one tile's recompute instead of a whole layer's;
+- the MTP module's decoder layers (`mtp.layers`, Qwen3.5 configs with MTP layers) shard as the decoder's,
+  routers and experts included; the rest of the module (its fc and norms) is one unit after them;
 - a vision-language model's tower (`model.visual`): each ViT block one unit (checkpointed like the
   decoder layers), then the tower itself (patch embedding, position table, merger) one unit, both in
   the compute dtype; the model then runs the tower in every forward (`set_tower_every_forward`: a
@@ -115,6 +117,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
 
 
+def mtp_layers(model: nn.Module) -> nn.ModuleList | list:
+    """The MTP module's decoder layers (`mtp.layers`), or [] for a model without MTP layers."""
+    mtp = getattr(model, "mtp", None)
+    return [] if mtp is None else mtp.layers
+
+
 def input_embedding(model: nn.Module) -> nn.Embedding:
     """embed_tokens of a MoeCausalLM (`model.embed_tokens`) or a MoeVisionLM (`model.language_model.embed_tokens`)."""
     inner = model.model
@@ -162,8 +170,9 @@ def shard_experts(experts: Experts, group: ExpertParallelGroup, ep_mesh: DeviceM
 def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> ActivationOffload | None:
     """Apply `plan` to `model` (a MoeCausalLM or MoeVisionLM) in place, with `root` (the model or a
     module wrapping it) as the root unit: the vision tower's blocks and the tower, routers, then (under
-    EP) experts, then each decoder layer, then the root (with a tied lm_head and embedding in it:
-    `check_tied_embeddings`). Returns the activation offload (its counters) when the plan asks for it."""
+    EP) experts, then each decoder layer (the MTP module's too, then that module), then the root (with a
+    tied lm_head and embedding in it: `check_tied_embeddings`). Returns the activation offload (its
+    counters) when the plan asks for it."""
     offload = offload_activations(model, plan.activation_offload_modules) if plan.activation_offload else None
     common = dict(
         mesh=plan.mesh,
@@ -180,7 +189,7 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> Acti
             fully_shard(block, mp_policy=layer_mp, **common)
         fully_shard(visual, mp_policy=layer_mp, **common)
         model.set_tower_every_forward(True)
-    for layer in decoder_layers(model):
+    for layer in [*decoder_layers(model), *mtp_layers(model)]:
         for sub in layer.modules():
             if isinstance(sub, TopKRouter):
                 fully_shard(sub, mp_policy=router_mp, **common)
@@ -197,6 +206,8 @@ def fully_shard_model(root: nn.Module, model: nn.Module, plan: FsdpPlan) -> Acti
         if plan.activation_checkpointing:
             checkpoint_decoder_layer(layer, plan.checkpoint_tile_tokens)
         fully_shard(layer, mp_policy=layer_mp, **common)
+    if mtp_layers(model):
+        fully_shard(model.mtp, mp_policy=layer_mp, **common)
     root_mp = MixedPrecisionPolicy(
         param_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False
     )

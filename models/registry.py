@@ -25,8 +25,11 @@ class ModelSpec:
         arch_config: text config -> validated ArchConfig.
         hf_causal_lm: transformers' class with the same parameter names (the numerical reference).
         checkpoint_renames: (old prefix, new prefix) applied to checkpoint keys on load.
-        checkpoint_skips: key prefixes on disk that are not part of the model (MTP; the vision tower
-            for the text-only spec).
+        checkpoint_skips: key prefixes on disk that are not part of the model (the vision tower for the
+            text-only spec).
+        mtp_prefix: the prefix of the family's multi-token-prediction tensors on disk (None: it has none);
+            they load into the model's `mtp` module when the config has MTP layers, else are skipped
+            (`weights.skipped_prefixes`).
         vision_arch: HF config -> validated VisionArch for vision-language specs (`build` then returns
             the model with its vision tower), None for text-only ones.
     """
@@ -37,6 +40,7 @@ class ModelSpec:
     hf_causal_lm: str
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_skips: tuple[str, ...] = ()
+    mtp_prefix: str | None = None
     vision_arch: Callable | None = None
 
 
@@ -46,7 +50,8 @@ QWEN3_5_MOE = ModelSpec(
     arch_config=qwen3_5_moe_config.arch_config,
     hf_causal_lm="Qwen3_5MoeForCausalLM",
     checkpoint_renames=(("model.language_model.", "model."),),
-    checkpoint_skips=("model.visual.", "mtp."),
+    checkpoint_skips=("model.visual.",),
+    mtp_prefix="mtp.",
 )
 
 # The vision-language config (`Qwen3_5MoeConfig`, model_type qwen3_5_moe): vision tower + text decoder,
@@ -56,7 +61,7 @@ QWEN3_5_MOE_VL = ModelSpec(
     text_config=qwen3_5_moe_config.text_config,
     arch_config=qwen3_5_moe_config.arch_config,
     hf_causal_lm="Qwen3_5MoeForConditionalGeneration",
-    checkpoint_skips=("mtp.",),
+    mtp_prefix="mtp.",
     vision_arch=qwen3_5_moe_config.vision_arch,
 )
 

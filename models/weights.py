@@ -7,9 +7,11 @@ On disk (local HF folder: config.json + *.safetensors, one file or sharded with 
   merged like transformers' conversion mapping: gate_up_proj[e] = cat(gate_proj[e], up_proj[e])
   along rows.
 - Qwen3.5 vision-language checkpoints (`model.visual.*`, `model.language_model.*`, `lm_head`) load
-  into the vision-language model (`MoeVisionLM`) under their own names, nothing skipped but the
-  `mtp.*` tensors (one log line), and save in that layout. A text-only config's model renames a
-  `model.language_model.` prefix to `model.` and skips `model.visual.*` / `mtp.*`.
+  into the vision-language model (`MoeVisionLM`) under their own names and save in that layout. A
+  text-only config's model renames a `model.language_model.` prefix to `model.` and skips `model.visual.*`.
+- Qwen3.5's multi-token-prediction tensors (`mtp.*`) load into the model's MTP module, strictly, when the
+  config has MTP layers (`mtp_num_hidden_layers`), and are saved and exported under the same names;
+  with none they are skipped (one log line), as transformers skips them.
 Loading is strict: a missing, unexpected, mis-shaped or twice-stored tensor, or an unreadable
 file, raises ValueError naming it. Files are picked as transformers picks them in a local folder:
 `model.safetensors` when present, else `model.safetensors.index.json` and the shards it names.
@@ -80,9 +82,17 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def _normalise_key(key: str, spec: ModelSpec) -> str | None:
+def skipped_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Checkpoint key prefixes that are not part of `model` (a MoeCausalLM or MoeVisionLM): its spec's
+    skips, and the MTP tensors when the config has no MTP layers."""
+    spec = model.spec
+    no_mtp = spec.mtp_prefix is not None and not model.arch.mtp_num_hidden_layers
+    return spec.checkpoint_skips + ((spec.mtp_prefix,) if no_mtp else ())
+
+
+def _normalise_key(key: str, spec: ModelSpec, skips: tuple[str, ...]) -> str | None:
     """The model's name for a checkpoint key, or None for a tensor outside the model."""
-    if key.startswith(spec.checkpoint_skips):
+    if key.startswith(skips):
         return None
     for old, new in spec.checkpoint_renames:
         if key.startswith(old):
@@ -117,8 +127,9 @@ def load_checkpoint(model: MoeCausalLM | MoeVisionLM, path: str | os.PathLike) -
         loaded.add(name)
 
     origin: dict[str, tuple[str, Path]] = {}  # model name -> (checkpoint key, file) it was read from
+    skips = skipped_prefixes(model)
     for file, key, read in _checkpoint_tensors(path):
-        name = _normalise_key(key, model.spec)
+        name = _normalise_key(key, model.spec, skips)
         if name is None:
             skipped.append(key)
             continue
@@ -154,10 +165,16 @@ def load_checkpoint(model: MoeCausalLM | MoeVisionLM, path: str | os.PathLike) -
         )
     missing = sorted(expected - loaded)
     if missing or unexpected:
+        hint = ""
+        if model.spec.mtp_prefix and all(name.startswith(model.spec.mtp_prefix) for name in missing):
+            hint = (
+                f"; the config has mtp_num_hidden_layers={model.arch.mtp_num_hidden_layers} (a checkpoint saved "
+                "without its MTP tensors, as transformers saves, loads with mtp_num_hidden_layers=0)"
+            )
         raise ValueError(
             f"checkpoint {path} does not match the model: missing {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+            f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}){hint if missing else ''}"
         )
 
 
@@ -347,6 +364,7 @@ def to_vllm_named_tensors(
 
 __all__ = [
     "checkpoint_files",
+    "skipped_prefixes",
     "from_pretrained",
     "get_spec",
     "load_checkpoint",

@@ -5,8 +5,10 @@ names of `verl_moe.models.to_vllm_named_tensors`, experts split per expert). Eac
 copied into place as it arrives (a per-expert tensor into its rows of the fused expert weight),
 so nothing is buffered. transformers names with fused experts (layout "hf") and the
 vision-language prefix `model.language_model.` are accepted too; tensors outside the text model
-(the spec's `checkpoint_skips`: vision tower, MTP) are skipped. The load is strict: an unknown
-name, a wrong shape or a tensor that never arrives raises ValueError naming it.
+(`models.weights.skipped_prefixes`: the vision tower, and the MTP tensors for a model without MTP
+layers) are skipped. A model with MTP layers receives them like any other weight (decoding does not
+use them). The load is strict: an unknown name, a wrong shape or a tensor that never arrives raises
+ValueError naming it.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from collections.abc import Iterable
 import torch
 
 from ...models import MoeCausalLM
+from ...models.weights import skipped_prefixes
 
 logger = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _model_name(name: str, model: MoeCausalLM) -> str | None:
-    if name.startswith(model.spec.checkpoint_skips):
+def _model_name(name: str, model: MoeCausalLM, skips: tuple[str, ...]) -> str | None:
+    if name.startswith(skips):
         return None
     for old, new in model.spec.checkpoint_renames:
         if name.startswith(old):
@@ -47,8 +50,9 @@ def load_named_tensors(model: MoeCausalLM, named_tensors: Iterable[tuple[str, to
     filled: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}  # fused name -> (expert, proj) received
     copied = skipped = 0
+    skips = skipped_prefixes(model)
     for raw_name, tensor in named_tensors:
-        name = _model_name(raw_name, model)
+        name = _model_name(raw_name, model, skips)
         if name is None or (tied and name == "lm_head.weight"):
             skipped += 1
             continue

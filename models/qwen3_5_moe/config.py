@@ -37,6 +37,8 @@ def arch_config(cfg) -> ArchConfig:
             "norm_topk_prob); the config says norm_topk_prob=False"
         )
     n = cfg.num_hidden_layers
+    if getattr(cfg, "mtp_use_dedicated_embeddings", False):
+        raise ValueError("mtp_use_dedicated_embeddings=True is not supported (the MTP layer shares the embedding)")
     if cfg.layer_types is None or len(cfg.layer_types) != n:
         raise ValueError(f"layer_types must list {n} layers, got {cfg.layer_types}")
     return ArchConfig(
@@ -68,6 +70,8 @@ def arch_config(cfg) -> ArchConfig:
         linear_key_head_dim=cfg.linear_key_head_dim,
         linear_value_head_dim=cfg.linear_value_head_dim,
         linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+        # not a field of transformers' config class: config.json carries it and transformers keeps it
+        mtp_num_hidden_layers=getattr(cfg, "mtp_num_hidden_layers", 0) or 0,
     )
 
 

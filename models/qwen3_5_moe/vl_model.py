@@ -16,7 +16,15 @@ from torch import nn
 
 from ...ops.varlen import HostOffsets
 from ..arch import ArchConfig
-from ..causal_lm import MoeCausalLM, MoeModelOutput, MoeTextModel, init_modules, resolve_ops, zero_padding_embedding
+from ..causal_lm import (
+    MoeCausalLM,
+    MoeModelOutput,
+    MoeTextModel,
+    MultiTokenPredictor,
+    init_modules,
+    resolve_ops,
+    zero_padding_embedding,
+)
 from ..layers import ResolvedOps
 from ..ops_config import OpsConfig
 from ..registry import ModelSpec
@@ -57,6 +65,8 @@ class MoeVisionLM(nn.Module):
         self.ops = ops
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        if arch.mtp_num_hidden_layers:  # on disk `mtp.*`, beside `model.` (not under the language model)
+            self.mtp = MultiTokenPredictor(arch, ops, factory)
         self.sequence_parallel = None
         self.tower_every_forward = False
 
@@ -72,6 +82,7 @@ class MoeVisionLM(nn.Module):
     set_expert_parallel = MoeCausalLM.set_expert_parallel
     check_inputs = MoeCausalLM.check_inputs
     logits = MoeCausalLM.logits
+    mtp_hidden_states = MoeCausalLM.mtp_hidden_states
 
     def forward(
         self,
@@ -193,7 +204,8 @@ def init_weights(model: MoeVisionLM) -> None:
     """`init_modules` with the text config's std for the decoder and lm_head (a tied lm_head, visited
     last in its group, re-initialises the shared embedding), then the vision config's for the tower;
     the embedding's padding row zeroed."""
-    init_modules([*model.model.language_model.modules(), model.lm_head], model.arch.initializer_range)
+    mtp = [*model.mtp.modules()] if hasattr(model, "mtp") else []
+    init_modules([*model.model.language_model.modules(), *mtp, model.lm_head], model.arch.initializer_range)
     init_modules(model.model.visual.modules(), model.vision.initializer_range)
     zero_padding_embedding(model.model.language_model.embed_tokens)
 

@@ -137,6 +137,70 @@ def assert_matches_transformers(
         assert err <= grad_tol * g_hf.norm().item() + 1e-12, f"{name}: |d grad| {err:.3e} vs |grad| {g_hf.norm():.3e}"
 
 
+def mtp_checkpoint_tensors(config, num_layers: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random MTP tensors of a Qwen3.5-MoE text `config` under the names and shapes real checkpoints
+    store them (vLLM's Qwen3.5 MTP loader reads these): `mtp.{fc, pre_fc_norm_embedding,
+    pre_fc_norm_hidden, norm}` and per layer a full-attention decoder layer with experts per expert."""
+    gen = torch.Generator().manual_seed(seed)
+    D, H, HKV, K = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    E, I, IS = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    shapes = {"mtp.fc.weight": (D, 2 * D)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        shapes[f"mtp.{norm}.weight"] = (D,)
+    for k in range(num_layers):
+        p = f"mtp.layers.{k}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (D,),
+            f"{p}.post_attention_layernorm.weight": (D,),
+            f"{p}.self_attn.q_proj.weight": (2 * H * K, D),  # query and output gate
+            f"{p}.self_attn.k_proj.weight": (HKV * K, D),
+            f"{p}.self_attn.v_proj.weight": (HKV * K, D),
+            f"{p}.self_attn.o_proj.weight": (D, H * K),
+            f"{p}.self_attn.q_norm.weight": (K,),
+            f"{p}.self_attn.k_norm.weight": (K,),
+            f"{p}.mlp.gate.weight": (E, D),
+            f"{p}.mlp.shared_expert.gate_proj.weight": (IS, D),
+            f"{p}.mlp.shared_expert.up_proj.weight": (IS, D),
+            f"{p}.mlp.shared_expert.down_proj.weight": (D, IS),
+            f"{p}.mlp.shared_expert_gate.weight": (1, D),
+        }
+        for e in range(E):
+            q = f"{p}.mlp.experts.{e}"
+            shapes |= {f"{q}.gate_proj.weight": (I, D), f"{q}.up_proj.weight": (I, D), f"{q}.down_proj.weight": (D, I)}
+    # norms are (1 + w) in Qwen3.5: small values around 0; projections at the config's init scale
+    return {
+        name: torch.randn(shape, generator=gen) * (0.1 if len(shape) == 1 else config.initializer_range * 4)
+        for name, shape in shapes.items()
+    }
+
+
+def save_checkpoint_with_mtp(config, folder, num_layers: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A tiny Qwen3.5-MoE checkpoint as released ones are: transformers' save of its model (which has no
+    MTP module) plus `mtp_checkpoint_tensors` in a second shard and `mtp_num_hidden_layers` in config.json.
+    Returns the MTP tensors written."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen3_5MoeForCausalLM(config).save_pretrained(folder)
+    main_file = folder / "model.safetensors"
+    with safe_open(str(main_file), "pt") as f:
+        main = {k: f.get_tensor(k) for k in f.keys()}
+    main_file.unlink()
+    mtp = mtp_checkpoint_tensors(config, num_layers, seed)
+    shards = {"model-00001-of-00002.safetensors": main, "model-00002-of-00002.safetensors": mtp}
+    for file, tensors in shards.items():
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    weight_map = {key: file for file, tensors in shards.items() for key in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    raw = json.loads((folder / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return mtp
+
+
 def assert_same_state(a: dict, b: dict) -> None:
     """Same names, dtypes and values, bit for bit."""
     assert sorted(a) == sorted(b)
