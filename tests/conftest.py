@@ -1,9 +1,11 @@
 """Shared test setup: GPU tests skip without an accelerator; test modules that need verl skip with the
-reason where it is not installed; fixed seeds; NaN-poisoned `torch.empty` in op tests so tiles a kernel
-forgets to write show up as NaN."""
+reason where it is not installed or does not import (verl without Ray); fixed seeds; NaN-poisoned
+`torch.empty` in op tests so tiles a kernel forgets to write show up as NaN."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 import re
@@ -28,16 +30,54 @@ _NEEDS_VERL = re.compile(r"^(?:from|import)\s+(?:verl|verl_moe\.engines|verl_moe
 _VERL_MISSING = importlib.util.find_spec("verl") is None
 
 
+@functools.cache
+def _verl_unmet() -> str | None:
+    """Why verl cannot serve a test here (not installed, or does not import: verl imports Ray at top level,
+    its worker groups `ray.experimental`), or None."""
+    if _VERL_MISSING:
+        return "needs verl and its dependencies (pip install verl-moe installs them)"
+    try:
+        importlib.import_module("verl")
+        importlib.import_module("ray.experimental")
+    except Exception as exc:
+        return f"verl does not import here (pip install 'verl[verl-core]' brings Ray): {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def needs_verl():
+    """For a test (or fixture) that runs verl, our engines or the align tool's engine backends inside its body:
+    skipped with the reason where verl cannot serve it (modules that import verl at top level are handled at
+    collection, below)."""
+    reason = _verl_unmet()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 class _NeedsVerl(pytest.Module):
     """A test module that imports verl, on a machine without it: reported skipped with the reason."""
 
     def collect(self):
-        pytest.skip("needs verl and its dependencies (pip install verl-moe installs them)")
+        pytest.skip(_verl_unmet())
+
+
+class _ImportsVerl(pytest.Module):
+    """A test module that imports verl, where verl is installed: an import error that verl's own import
+    explains (no Ray, an incomplete one) reports the module skipped with that reason; any other stays an error."""
+
+    def _getobj(self):
+        try:
+            return super()._getobj()
+        except Exception:  # an ImportError comes as pytest's CollectError, an incomplete Ray's AttributeError as is
+            reason = _verl_unmet()
+            if reason is None:
+                raise
+            pytest.skip(reason)
 
 
 def pytest_pycollect_makemodule(module_path, parent):
-    if _VERL_MISSING and module_path.name.startswith("test_") and _NEEDS_VERL.search(module_path.read_text()):
-        return _NeedsVerl.from_parent(parent, path=module_path)
+    if module_path.name.startswith("test_") and _NEEDS_VERL.search(module_path.read_text()):
+        return (_NeedsVerl if _VERL_MISSING else _ImportsVerl).from_parent(parent, path=module_path)
     return None
 
 

@@ -310,10 +310,9 @@ def test_verl_moe_slots_match_veomni_gpu_kernels(restore_veomni_state):
         assert rel_rms(theirs[i], ours[i]) <= BF16_TOL, name
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_verl_veomni_engine_config_selects_ours(monkeypatch, restore_veomni_state):
     """verl's own VeOmni engine turns `engine.<field>=verl_moe` into VeOmni's ops config: our kernels bind."""
-    if importlib.util.find_spec("verl") is None:
-        pytest.skip("needs verl")
     from verl.workers.config import VeOmniEngineConfig
     from verl.workers.engine.veomni.transformer_impl import _build_ops_implementation_config
 

@@ -177,6 +177,7 @@ def test_backend_names_parse_and_router_ablation_expands():
         align.AlignConfig(jobs=0)
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_stream_is_deterministic_and_verl_shaped():
     spec = data.get_preset("tiny-qwen3.5-moe").stream
     one, two = data.make_stream(spec, 512, 2, seed=7), data.make_stream(spec, 512, 2, seed=7)
@@ -194,7 +195,7 @@ def test_stream_is_deterministic_and_verl_shaped():
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
+def e2e(tmp_path_factory, needs_verl):
     """The README's main job, shortened: the tiny preset through reference, fsdp2 and veomni with
     the experts split over its 2 gloo ranks."""
     out = tmp_path_factory.mktemp("align")
@@ -256,6 +257,7 @@ def test_reference_loss_is_the_grpo_objective(e2e):
         assert step.loss == pytest.approx(per_token.mean().item(), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_perturbed_backend_and_command_line_tolerance_give_nonzero_exit(tmp_path):
     """Through the CLI: a wrong rotary dim is flagged on every metric family at step 0; an fp32
     backend that is fine by default fails exactly the one tolerance tightened with --tol."""
@@ -280,6 +282,7 @@ def test_perturbed_backend_and_command_line_tolerance_give_nonzero_exit(tmp_path
     assert fp32["exceeded_at_step0"] == ["logp_abs_diff_mean"]
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_bf16_router_in_the_fp64_reference_is_flagged(tmp_path):
     cfg = align.AlignConfig(backends=("reference", "reference:router=bf16"), steps=1, out=str(tmp_path), progress=False)
     report = align.run(cfg)
@@ -288,6 +291,7 @@ def test_bf16_router_in_the_fp64_reference_is_flagged(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.usefixtures("needs_verl")
 def test_engines_align_on_the_tiny_qwen3_moe_preset(tmp_path, capsys):
     """The attention-only preset (no GatedDeltaNet) through both engines, experts split over 2 ranks;
     the two engine workers run at the same time (--jobs 2) and are also compared with each other."""

@@ -188,6 +188,7 @@ def _megatron_step0(rank: int, world: int, model_dir: str, stream_path: str, out
     ],
     ids=["all-moe", "dense-layer-1", "all-moe-dp2", "qwen3.5-gdn"],
 )
+@pytest.mark.usefixtures("needs_verl")
 def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, preset_name, overrides, world):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'verl-moe[megatron]')")
     preset = data.get_preset(preset_name)
@@ -227,6 +228,7 @@ def test_megatron_fp32_matches_fp64_reference_on_cpu(tmp_path, preset_name, over
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.usefixtures("needs_verl")
 def test_megatron_backend_aligns_with_reference_on_gpu(tmp_path, dtype):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'verl-moe[megatron]')")
     from verl_moe.tools import align

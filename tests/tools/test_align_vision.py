@@ -17,6 +17,8 @@ from verl_moe.tools import align
 from verl_moe.tools.align import data
 from verl_moe.tools.align.backends.reference import fill_old_log_probs
 
+# the streams use verl's GRPO advantage, the engine backends verl itself
+pytestmark = pytest.mark.usefixtures("needs_verl")
 PRESET = "tiny-qwen3.5-moe-vl"
 
 

@@ -73,6 +73,7 @@ def test_pickled_dump_is_refused_before_its_code_runs(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_safe_dumps_load_without_the_flag_and_a_dataproto_needs_it(tmp_path):
     from verl import DataProto
 
@@ -136,6 +137,7 @@ def _usage_cases(tmp_path):
     ]
 
 
+@pytest.mark.usefixtures("needs_verl")
 def test_usage_errors_are_one_line_exit_2_before_any_work(tmp_path):
     runner = CliRunner()
     for args, needles in _usage_cases(tmp_path):

@@ -42,7 +42,7 @@ def _write_tensorboard(folder, unstable: bool):
 
 
 @pytest.fixture
-def runs(tmp_path, monkeypatch):
+def runs(tmp_path, monkeypatch, needs_verl):
     _write_jsonl(tmp_path / "megatron.jsonl", unstable=False, monkeypatch=monkeypatch)
     _write_tensorboard(tmp_path / "fsdp_tb", unstable=True)
     _write_tensorboard(tmp_path / "same_tb", unstable=False)
