@@ -6,16 +6,15 @@ one row's result changes with how many rows share it: a decode step of 16 rows a
 of 2,000 round differently. Here every output is accumulated over K in one fixed order, k = 0, 1, ...,
 by separate elementwise multiplies and adds (no fused multiply-add, no reduction kernel whose split
 depends on the shape): a row's result is a function of that row and the weights alone. K elementwise
-passes over [rows, N]: fine for the small models exact mode runs on CPU, not a GPU kernel.
+passes over [rows, N]: fine for the small models exact mode runs on CPU; devices run `exact_kernel.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..exact import by_device, exact_forward
+from ..exact import by_device
 from .exact_kernel import linear_rows_triton
-from .reference import linear_ref
 
 
 def linear_rows(
@@ -37,11 +36,35 @@ def linear_rows(
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], N)
 
 
-def _linear_rows(x, weight, bias=None):
-    return linear_rows(x, weight, bias)
+# the per-row projection on any device: torch's elementwise form on cpu, the fixed-tile kernel elsewhere
+_linear_rows_any = by_device(linear_rows, linear_rows_triton)
 
 
-# the dispatched "exact" linear: linear_rows (cpu) or its kernel (devices) forward, F.linear's gradient
-linear_exact = exact_forward(by_device(_linear_rows, linear_rows_triton), linear_ref)
+class LinearExactFunction(torch.autograd.Function):
+    """forward: the per-row projection (`linear_rows` on cpu, its kernel on devices); backward: F.linear's
+    gradient (dx = dy W, dW = dy^T x, db = sum dy), from the saved inputs: nothing to recompute."""
 
-__all__ = ["linear_exact", "linear_rows"]
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear_rows_any(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = (dy_rows @ weight).view_as(x) if ctx.needs_input_grad[0] else None
+        dw = dy_rows.t() @ x_rows if ctx.needs_input_grad[1] else None
+        db = dy_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatched "exact" linear: `linear_rows`'s forward (per row, batch-invariant), F.linear's gradient."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return LinearExactFunction.apply(x, weight, bias)
+    return _linear_rows_any(x, weight, bias)
+
+
+__all__ = ["LinearExactFunction", "linear_exact", "linear_rows"]

@@ -81,7 +81,11 @@ KERNEL_LAUNCHES = {
 
 
 def linear_rows_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) accumulated in fp32, returned in `out_dtype` (default x's).
     x and weight share a dtype (bf16, fp16 or fp32)."""
@@ -97,7 +101,7 @@ def linear_rows_triton(
     M = rows.shape[0]
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
-        config = CONFIG_32 if x.dtype == torch.float32 else CONFIG_16
+        config = config or (CONFIG_32 if x.dtype == torch.float32 else CONFIG_16)
         launch(
             _linear_rows_kernel,
             [config],

@@ -193,30 +193,27 @@ class LogprobChunkedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, labels, inv_t, lse, entropy = ctx.saved_tensors
-        call: LogprobCall = ctx.call
-        if not call.entropy_grad:
-            g_ent = None
-        if g_lp is None and g_ent is None:
-            return None, None, None, None, None
-        acc = lse.dtype
-        g_lp = None if g_lp is None else g_lp.to(acc)
-        g_ent = None if g_ent is None else g_ent.to(acc)
-        hid = hidden if hidden.device.type == "cuda" else hidden.to(acc)
-
-        def dlogits(v0, width):
-            w_c = weight[v0 : v0 + width]
-            return torch_dlogits(hid, w_c, labels, v0, inv_t, lse, entropy, g_lp, g_ent)
-
-        dh, dw = backward_over_vocab(
-            hidden,
-            weight,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            call.options.vocab_chunk(hidden.shape[0]),
-            dlogits,
-        )
+        dh, dw = chunked_backward(*ctx.saved_tensors, g_lp, g_ent, ctx.call, *ctx.needs_input_grad[:2])
         return dh, dw, None, None, None
+
+
+def chunked_backward(hidden, weight, labels, inv_t, lse, entropy, g_lp, g_ent, call: LogprobCall, need_dh, need_dw):
+    """(d_hidden, d_weight) of the torch head from its forward's lse / entropy, one vocab chunk of logits
+    recomputed at a time (also exact mode's head gradient on cpu)."""
+    if not call.entropy_grad:
+        g_ent = None
+    if g_lp is None and g_ent is None:
+        return None, None
+    acc = lse.dtype
+    g_lp = None if g_lp is None else g_lp.to(acc)
+    g_ent = None if g_ent is None else g_ent.to(acc)
+    hid = hidden if hidden.device.type == "cuda" else hidden.to(acc)
+
+    def dlogits(v0, width):
+        w_c = weight[v0 : v0 + width]
+        return torch_dlogits(hid, w_c, labels, v0, inv_t, lse, entropy, g_lp, g_ent)
+
+    return backward_over_vocab(hidden, weight, need_dh, need_dw, call.options.vocab_chunk(hidden.shape[0]), dlogits)
 
 
 def logprobs_and_entropy_chunked(hidden, weight, labels, inv_t, call: LogprobCall):

@@ -325,22 +325,26 @@ class LogprobFusedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, labels, inv_t, lse, entropy = ctx.saved_tensors
-        call: LogprobCall = ctx.call
-        if not call.entropy_grad:
-            g_ent = None
-        if g_lp is None and g_ent is None:
-            return None, None, None, None, None
-        g_lp = None if g_lp is None else g_lp.float().contiguous()
-        g_ent = None if g_ent is None else g_ent.float().contiguous()
-        step = call.options.vocab_chunk(hidden.shape[0])
-        buf = torch.empty((hidden.shape[0], min(step, weight.shape[0])), dtype=hidden.dtype, device=hidden.device)
-
-        def dlogits(v0, width):
-            return logprob_bwd_dlogits(hidden, weight, labels, inv_t, lse, entropy, g_lp, g_ent, v0, width, buf)
-
-        dh, dw = backward_over_vocab(hidden, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], step, dlogits)
+        dh, dw = fused_backward(*ctx.saved_tensors, g_lp, g_ent, ctx.call, *ctx.needs_input_grad[:2])
         return dh, dw, None, None, None
+
+
+def fused_backward(hidden, weight, labels, inv_t, lse, entropy, g_lp, g_ent, call: LogprobCall, need_dh, need_dw):
+    """(d_hidden, d_weight) of the Triton head from its forward's lse / entropy (fp32), the logits tiles
+    recomputed per vocab chunk (also exact mode's head gradient on devices)."""
+    if not call.entropy_grad:
+        g_ent = None
+    if g_lp is None and g_ent is None:
+        return None, None
+    g_lp = None if g_lp is None else g_lp.float().contiguous()
+    g_ent = None if g_ent is None else g_ent.float().contiguous()
+    step = call.options.vocab_chunk(hidden.shape[0])
+    buf = torch.empty((hidden.shape[0], min(step, weight.shape[0])), dtype=hidden.dtype, device=hidden.device)
+
+    def dlogits(v0, width):
+        return logprob_bwd_dlogits(hidden, weight, labels, inv_t, lse, entropy, g_lp, g_ent, v0, width, buf)
+
+    return backward_over_vocab(hidden, weight, need_dh, need_dw, step, dlogits)
 
 
 def logprobs_and_entropy_fused(hidden, weight, labels, inv_t, call: LogprobCall):
