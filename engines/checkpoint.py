@@ -196,19 +196,24 @@ def _extra_bytes(extra: dict) -> bytes:
 
 def _export_hf(model: nn.Module, path: str) -> None:
     """Gather full tensors; rank 0 loads them into an unsharded copy of the spec and writes HF files
-    (LoRA adapters merged into their base weights: an HF model, as verl's merged export)."""
+    (LoRA adapters merged into their base weights: an HF model, as verl's merged export; a critic's value
+    model as a token classifier, `models/value_head.py`)."""
     from verl_moe.models import build, lora, save_pretrained
+    from verl_moe.models.value_head import add_value_head, is_value_model, save_value_pretrained
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         full = lora.merged_state_dict(model, full)
         dtype = next(iter(full.values())).dtype
         copy = build(model.config, dtype=dtype, device="meta")
+        value = is_value_model(model)
+        if value:
+            add_value_head(copy)
         copy.to_empty(device="cpu")
         copy.load_state_dict(full, strict=not model.arch.tie_word_embeddings)
         if model.arch.tie_word_embeddings:
             copy.lm_head.weight = copy.model.embed_tokens.weight
-        save_pretrained(copy, path)
+        (save_value_pretrained if value else save_pretrained)(copy, path)
 
 
 def _write_marker(folder: str, marker: dict) -> None:
