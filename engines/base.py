@@ -41,6 +41,7 @@ from verl_moe.engines.config import (
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
 from verl_moe.engines.placement import move_module, move_optimizer_state
+from verl_moe.engines.value_model import ValueModel, check_value_model_config, is_value_role, packed_values
 from verl_moe.models import build, from_pretrained, lora
 from verl_moe.models.fsdp_plan import (
     OFFLOAD_TILE_TOKENS,
@@ -49,6 +50,7 @@ from verl_moe.models.fsdp_plan import (
     check_tied_embeddings,
     fully_shard_model,
 )
+from verl_moe.models.value_head import add_value_head, value_from_pretrained
 from verl_moe.ops import device
 from verl_moe.ops.common import runtime
 
@@ -81,6 +83,10 @@ class MoeEngineBase(BaseEngine):
         super().__init__()
         world_size = dist.get_world_size()
         validate_engine_config(model_config, engine_config, world_size)
+        # verl's critic (role value_model): the spec with a value head, values instead of log-probs
+        self.value_head = is_value_role(model_config)
+        if self.value_head:
+            check_value_model_config(model_config, engine_config)
         if engine_config.full_determinism:
             enable_determinism(engine_config.seed)
         self.model_config = model_config
@@ -140,12 +146,26 @@ class MoeEngineBase(BaseEngine):
             lora.apply_lora(model, self.lora)
         model.set_sequence_parallel(self.sequence_parallel)
         model.set_expert_parallel(self.expert_parallel)
-        module = LogProbModel(model, logprob_head(ops.impl("logprob")))  # resolved once, as the model's ops
+        if self.value_head:
+            add_value_head(model)  # lm_head swapped for the value head (models/value_head.py)
+            module = ValueModel(model)
+        else:
+            module = LogProbModel(model, logprob_head(ops.impl("logprob")))  # resolved once, as the model's ops
         self._shard(module)
         module.to_empty(device=self.device)
         check_tied_embeddings(module.model)  # a tied lm_head still shares the embedding's weight
         full_state = {}
-        if self.rank == 0:
+        if self.rank == 0 and self.value_head:
+            # the head from the folder (a value checkpoint) or drawn from the engine seed (a causal LM's)
+            full_state = value_from_pretrained(
+                self.model_config.local_path,
+                self.model_config.hf_config,
+                self.engine_config.seed,
+                dtype=self.master_dtype,
+                device="cpu",
+                **picks,
+            ).state_dict()
+        elif self.rank == 0:
             full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", **picks)
             if self.lora is not None:
                 # rank 0 draws the A factors (broadcast with the weights) from the engine seed: any layout
@@ -280,12 +300,16 @@ class MoeEngineBase(BaseEngine):
             if replay_action is not None:
                 routing = self.router_replay.armed(replay_action, micro_batch, packed, self.sequence_parallel)
             with routing:
-                log_probs, entropy = packed_log_probs(
-                    self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
-                )
-                model_output = {"log_probs": batch.unpack_to_nested(log_probs, packed)}
-                if entropy is not None:
-                    model_output["entropy"] = batch.unpack_to_nested(entropy, packed)
+                if self.value_head:  # verl's critic: {"values": nested [N, j]}, read by verl's value_loss
+                    values = packed_values(self.module, packed, self.sequence_parallel)
+                    model_output = {"values": batch.unpack_to_nested(values, packed)}
+                else:
+                    log_probs, entropy = packed_log_probs(
+                        self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
+                    )
+                    model_output = {"log_probs": batch.unpack_to_nested(log_probs, packed)}
+                    if entropy is not None:
+                        model_output["entropy"] = batch.unpack_to_nested(entropy, packed)
                 loss, metrics = None, {}
                 if loss_function is not None:
                     loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)

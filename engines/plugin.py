@@ -6,22 +6,23 @@ failure only at debug level, so every failure here is logged at WARNING, naming 
 How our engines take precedence (docs/engines.md)
 -------------------------------------------------
 verl keys `EngineRegistry` by (role, backend, device[, vendor]); its built-in FSDP and VeOmni
-engines sit under `("language_model", "fsdp" | "fsdp2" | "veomni", "cuda" | "npu")`, and `register` refuses a key that
-is already taken. `EngineRegistry.get_engine_cls` looks up the vendor-specific key
+engines sit under `("language_model" | "value_model", "fsdp" | "fsdp2" | "veomni", "cuda" | "npu")`, and `register`
+refuses a key that is already taken. `EngineRegistry.get_engine_cls` looks up the vendor-specific key
 `(device, vendor)` *before* the device-only key. We register `MoeEngineSelector` under
-`("cuda", "nvidia")`, `("npu", "huawei")` and `("cpu", "cpu")` (our cpu platform), so on those
+`("cuda", "nvidia")`, `("npu", "huawei")` and `("cpu", "cpu")` (our cpu platform), for the actor's role
+(`language_model`) and the critic's (`value_model`), so on those
 platforms verl constructs our selector without anything of verl's being replaced (other
 vendors, e.g. ("cuda", "amd"), keep verl's engine). The selector (`engines/selector.py`) reads
 `model_config.hf_config.model_type` (not `model_config.model_type`, which verl's TrainingWorker
 overwrites with the role) and builds:
 
 - `MoeFsdp2Engine` ("fsdp", "fsdp2") or `MoeVeOmniEngine` ("veomni") when the model type has a
-  spec in `verl_moe.models.registry`;
-- otherwise the engine verl's registry gave this process before ours was registered
-  (`FSDPEngineWithLMHead`), with the same arguments, so every other model behaves exactly as
-  without the plugin.
+  spec in `verl_moe.models.registry` (for the critic, the spec with a value head: `engines/value_model.py`);
+- otherwise the engine verl's registry gave this process for the role before ours was registered
+  (`FSDPEngineWithLMHead`, `FSDPEngineWithValueHead`), with the same arguments, so every other model
+  behaves exactly as without the plugin.
 
-Value models (`value_model` role) and other backends are never touched. `VERL_MOE_OVERRIDE=0`
+Other roles and backends are never touched. `VERL_MOE_OVERRIDE=0`
 skips the engine registration entirely (verl's registry is then exactly verl's). The `cpu`
 platform (`engines/platform.py`) is always registered, but only selected by `VERL_PLATFORM=cpu`.
 
@@ -109,20 +110,22 @@ def register_platform() -> None:
 
 
 def register_engines() -> None:
-    """Register `MoeEngineSelector` for (language_model, fsdp|fsdp2|veomni) on cuda/nvidia, npu/huawei, cpu/cpu,
-    after noting verl's own engines (`record_verl_engines`: the look-up would find ours afterwards)."""
+    """Register `MoeEngineSelector` for (language_model | value_model, fsdp|fsdp2|veomni) on cuda/nvidia,
+    npu/huawei, cpu/cpu, after noting verl's own engines (`record_verl_engines`: the look-up would find ours
+    afterwards)."""
     if "engines" in _registered:
         return
     if not override_enabled():
         logger.info("verl_moe: %s=0, verl's engines serve every model", OVERRIDE_ENV)
         return
     from verl.workers.engine import EngineRegistry
-    from verl_moe.engines.selector import ROLE, SERVED_BACKENDS, MoeEngineSelector, record_verl_engines
+    from verl_moe.engines.selector import ROLES, SERVED_BACKENDS, MoeEngineSelector, record_verl_engines
 
     record_verl_engines()
-    for device, vendor in REGISTRY_KEYS.items():
-        register = EngineRegistry.register(model_type=ROLE, backend=list(SERVED_BACKENDS), device=device, vendor=vendor)
-        register(MoeEngineSelector)
+    backends = list(SERVED_BACKENDS)
+    for role in ROLES:
+        for device, vendor in REGISTRY_KEYS.items():
+            EngineRegistry.register(model_type=role, backend=backends, device=device, vendor=vendor)(MoeEngineSelector)
     _registered.add("engines")
 
 

@@ -18,6 +18,13 @@ marked slow, that also checks learning:
 - it learns: the mean reward of the last 3 steps exceeds the first 3 steps' by 0.2 and by 3x
   (measured over 4 runs: ~0.045 -> ~0.9); `verl-moe curves` plots the reward curve from the file.
 
+`recipe/tiny_cpu_ppo` (PPO with GAE: our actor and our critic, the critic a value head on the same spec) runs
+SHORT_STEPS in the default suite: finite actor and critic metrics, a critic that trains (vf_loss and values
+change between steps), and the values the critic's update sees equal to those verl computed for GAE with the
+same weights (value clipping at 1e-6 never acts). The critic's values and gradients against transformers'
+value model of the same weights are checked in `test_critic_worker.py` (the rollout's batches are not known
+to the test here).
+
 Each run is a whole Ray cluster (trainer ranks, TransferQueue, agent loop, reward loop, rollout
 server): 2-4 min on a 2-core machine, most of it process start-up.
 """
@@ -46,6 +53,17 @@ PER_STEP = (
     "timing_s/gen",
     "training/rollout_probs_diff_max",
     "rollout_corr/k3_kl",
+)
+CRITIC_PER_STEP = (
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "critic/values/mean",
+    "critic/values/max",
+    "critic/values/min",
+    "critic/advantages/mean",
+    "critic/score/mean",
 )
 
 
@@ -191,6 +209,43 @@ def test_main_ppo_trains_and_learns(toy, tmp_path, recipe):
     report = run(CurvesConfig(runs=(f"{recipe}={tmp_path / 'metrics.jsonl'}",), metrics=("reward",), out=str(tmp_path)))
     assert report["metrics"][0]["keys"][recipe] == "critic/score/mean"
     assert os.path.getsize(report["plot"]) > 0
+
+
+def test_ppo_recipe_has_our_critic(toy):
+    """recipe/tiny_cpu_ppo: GAE, a critic on our fsdp2 engine in fp32 that starts from the actor's checkpoint,
+    no reference model (no KL term), sized like tiny_cpu."""
+    import torch
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_moe.engines.config import MoeFsdp2EngineConfig, precision_dtypes
+
+    model = toy[1]["model"]
+    cfg = _compose("tiny_cpu_ppo", [f"actor_rollout_ref.model.path={model}"])
+    assert cfg.algorithm.adv_estimator == "gae" and need_critic(cfg) and not need_reference_policy(cfg)
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert isinstance(critic.engine, MoeFsdp2EngineConfig) and critic.engine.strategy == "fsdp2"
+    assert precision_dtypes(critic.engine) == (torch.float32,) * 3
+    assert critic.model.path == model
+    tiny = _compose("tiny_cpu", [f"actor_rollout_ref.model.path={model}"])
+    for key in ("actor_rollout_ref.rollout", "data", "ray_kwargs", "transfer_queue"):  # tiny_cpu's scale and platform
+        assert OmegaConf.to_container(OmegaConf.select(cfg, key)) == OmegaConf.to_container(OmegaConf.select(tiny, key))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_main_ppo_with_our_critic(toy, tmp_path):
+    toy_rl, paths = toy
+    steps = _run_main_ppo(toy_rl, paths, "tiny_cpu_ppo", tmp_path, SHORT_STEPS, ["critic.cliprange_value=1e-6"])
+    assert sorted(s for s in steps if "critic/vf_loss" in steps[s]) == list(range(1, SHORT_STEPS + 1))
+    for step in range(1, SHORT_STEPS + 1):
+        for key in CRITIC_PER_STEP:
+            assert math.isfinite(steps[step][key]), (step, key, steps[step].get(key))
+        # the update's forward gives the values verl computed for GAE (same weights, one update per step)
+        assert steps[step]["critic/vf_clipfrac"] == 0.0, steps[step]
+    assert steps[1]["critic/grad_norm"] > 0
+    for key in ("critic/vf_loss", "critic/values/mean"):
+        assert steps[1][key] != steps[2][key], (key, steps[1][key], steps[2][key])
 
 
 @pytest.mark.dist

@@ -24,22 +24,23 @@ def _registry():
     return EngineRegistry
 
 
-def test_our_keys_outrank_verls_without_replacing_them():
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+@pytest.mark.parametrize("role", ["language_model", "value_model"])
+def test_our_keys_outrank_verls_without_replacing_them(role):
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
     from verl_moe.engines.selector import MoeEngineSelector
 
+    verls = FSDPEngineWithLMHead if role == "language_model" else FSDPEngineWithValueHead
     for backend in ("fsdp", "fsdp2"):
-        entries = _registry()._engines["language_model"][backend]
-        assert entries["cuda"] is FSDPEngineWithLMHead and entries["npu"] is FSDPEngineWithLMHead
+        entries = _registry()._engines[role][backend]
+        assert entries["cuda"] is verls and entries["npu"] is verls
         assert entries[("cuda", "nvidia")] is MoeEngineSelector
         assert entries[("npu", "huawei")] is MoeEngineSelector
         assert entries[("cpu", "cpu")] is MoeEngineSelector and "cpu" not in entries
-        assert _registry().get_engine_cls("language_model", backend) is MoeEngineSelector  # cpu platform
-    assert ("cuda", "nvidia") not in _registry()._engines["value_model"]["fsdp2"]
+        assert _registry().get_engine_cls(role, backend) is MoeEngineSelector  # cpu platform
 
 
 def test_selection_by_hf_model_type(monkeypatch):
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
     from verl_moe.engines import selector
     from verl_moe.engines.fsdp2 import MoeFsdp2Engine
     from verl_moe.engines.veomni import MoeVeOmniEngine
@@ -48,15 +49,21 @@ def test_selection_by_hf_model_type(monkeypatch):
     other = SimpleNamespace(hf_config=Qwen2Config(), model_type="language_model")
     assert selector.select_engine_class(ours, "fsdp2") is MoeFsdp2Engine
     assert selector.select_engine_class(ours, "veomni") is MoeVeOmniEngine
-    assert "fsdp2" not in selector.VERL_ENGINES  # cpu platform: verl has no FSDP engine to hand it to
+    assert ("language_model", "fsdp2") not in selector.VERL_ENGINES  # cpu platform: verl has no FSDP engine
     with pytest.raises(ValueError, match="'qwen2' has no verl_moe spec"):
         selector.select_engine_class(other, "fsdp2")
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     monkeypatch.setattr(selector, "VERL_ENGINES", {})
     selector.record_verl_engines()  # as on a GPU host: verl's look-up before ours is registered
-    assert selector.VERL_ENGINES["fsdp"] is FSDPEngineWithLMHead
+    assert selector.VERL_ENGINES["language_model", "fsdp"] is FSDPEngineWithLMHead
     assert selector.select_engine_class(other, "fsdp") is FSDPEngineWithLMHead
     assert selector.select_engine_class(ours, "fsdp") is MoeFsdp2Engine
+    # verl's critic: our engines for our model types, verl's value-head engine for the others
+    ours_critic = SimpleNamespace(hf_config=tiny_config(), model_type="value_model")
+    other_critic = SimpleNamespace(hf_config=Qwen2Config(), model_type="value_model")
+    assert selector.select_engine_class(other_critic, "fsdp") is FSDPEngineWithValueHead
+    assert selector.select_engine_class(ours_critic, "fsdp2") is MoeFsdp2Engine
+    assert selector.select_engine_class(ours_critic, "veomni") is MoeVeOmniEngine
     with pytest.raises(ValueError, match="serves backends"):
         selector.select_engine_class(ours, "megatron")
 
