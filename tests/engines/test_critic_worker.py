@@ -1,15 +1,16 @@
 """verl's critic (role `value_model`) on our engines against transformers' value model of the same weights.
 
-The critic loads a value checkpoint (the tiny Qwen3.5-MoE's decoder plus a `score` head with a non-zero
-bias, `models/value_head.py`); the reference is transformers' Qwen3.5-MoE decoder (`AutoModel`) plus a
-Linear(D, 1) head holding the same tensors, run one sequence at a time (transformers' torch GatedDeltaNet
-ignores packing), trained by plain autograd with verl's own `value_loss` (clipped, token-mean) over the
-whole batch, then AdamW as the engine's optimizer.
+The critic loads a value checkpoint (a tiny Qwen3.5-MoE's decoder plus a `score` head with a non-zero bias,
+`models/value_head.py`; once a tiny Qwen3-MoE's); the reference is transformers' Qwen3.5-MoE decoder
+(`AutoModel`) plus a Linear(D, 1) head holding the same tensors (for Qwen3-MoE transformers' own
+`Qwen3MoeForTokenClassification`), run one sequence at a time (transformers' torch GatedDeltaNet ignores
+packing), trained by plain autograd with verl's own `value_loss` (clipped, token-mean) over the whole batch,
+then AdamW as the engine's optimizer.
 
 - through our engines on 2 gloo ranks (`fsdp2` with 2 data-parallel ranks and with one Ulysses SP group of 2,
-  and `veomni` with the experts split over both ranks): the
-  values of every token, the gradient of every parameter (gathered in full) and the weights after the step,
-  which the checkpoint's HF export holds as a value checkpoint;
+  and `veomni` with the experts split over both ranks): the values of every token, the gradient of every
+  parameter (gathered in full) and the weights after the step, which the checkpoint's HF export holds as a
+  value checkpoint;
 - through verl's own `TrainingWorker` on Ray, built with the critic's config (as verl's trainer builds its
   critic): `infer_batch` values, `train_mini_batch` loss, grad norm and vf_loss, and the values after it.
 
@@ -29,6 +30,7 @@ from dist import spawn
 from engine_setup import make_batch, rank_slice, tiny_model
 from hf_value_model import hf_value_model, hf_values
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
@@ -45,9 +47,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def write_value_model(path: str) -> str:
-    """A value checkpoint: `tiny_model()`'s decoder and a drawn head whose bias is not 0."""
-    model = tiny_model()
+def write_value_model(path: str, config=None) -> str:
+    """A value checkpoint: `tiny_model(config)`'s decoder (default the tiny Qwen3.5-MoE) and a drawn head whose
+    bias is not 0."""
+    model = tiny_model(config)
     add_value_head(model, torch.Generator().manual_seed(11))
     with torch.no_grad():
         model.score.bias.fill_(0.3)
@@ -100,7 +103,7 @@ def reference_step(model, optimizer, data) -> tuple[float, float, dict, dict]:
 def _reference(path: str):
     from verl_moe.models.value_head import value_from_pretrained
 
-    ours = value_from_pretrained(path, tiny_model().config, seed=0)
+    ours = value_from_pretrained(path, AutoConfig.from_pretrained(path), seed=0)
     model = hf_value_model(ours.config, ours.state_dict())
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.999))
 
@@ -169,7 +172,8 @@ def _engine_vs_transformers(rank: int, world_size: int, path: str, backend: str,
     if rank == 0:
         from verl_moe.models.value_head import value_from_pretrained
 
-        exported = value_from_pretrained(f"{ckpt_dir}/huggingface", tiny_model().config, seed=0).state_dict()
+        exported = value_from_pretrained(f"{ckpt_dir}/huggingface", AutoConfig.from_pretrained(path), seed=0)
+        exported = exported.state_dict()
         assert exported.keys() == trained.keys()
         for name, tensor in trained.items():
             assert torch.equal(exported[name], tensor), name
@@ -177,10 +181,15 @@ def _engine_vs_transformers(rank: int, world_size: int, path: str, backend: str,
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("backend", "sp"), [("fsdp2", 1), ("fsdp2", 2), ("veomni", 1)], ids=["fsdp2_dp2", "fsdp2_sp2", "veomni_ep2"]
+    ("backend", "sp", "family"),
+    [("fsdp2", 1, "qwen3_5_moe"), ("fsdp2", 2, "qwen3_5_moe"), ("veomni", 1, "qwen3_5_moe"), ("fsdp2", 1, "qwen3_moe")],
+    ids=["fsdp2_dp2", "fsdp2_sp2", "veomni_ep2", "qwen3_moe_fsdp2_dp2"],
 )
-def test_critic_engine_matches_transformers(tmp_path, backend, sp):
-    path = write_value_model(str(tmp_path / "critic"))
+def test_critic_engine_matches_transformers(tmp_path, backend, sp, family):
+    """Qwen3-MoE's reference is transformers' own Qwen3MoeForTokenClassification (num_labels=1)."""
+    from tiny_models import tiny_qwen3_moe
+
+    path = write_value_model(str(tmp_path / "critic"), tiny_qwen3_moe() if family == "qwen3_moe" else None)
     spawn(_engine_vs_transformers, 2, path, backend, sp, str(tmp_path / "checkpoint"))
 
 
