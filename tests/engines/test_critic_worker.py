@@ -256,3 +256,25 @@ def test_verls_critic_worker_runs_our_engine(tmp_path, ray_cluster):
     assert _rel(vf_loss, ref_metrics["critic/vf_loss"].aggregate()) < 1e-5, (metrics["critic/vf_loss"], ref_metrics)
     assert 0 < ref_metrics["critic/vf_clipfrac"] < 1  # value clipping took part of the tokens
     infer_and_compare(1e-4)  # after one AdamW step on both sides
+
+
+def test_critic_refusals_name_the_key():
+    from types import SimpleNamespace
+
+    from verl_moe.engines.value_model import check_value_model_config, is_value_role
+
+    def configs(lora_rank=0, mtp=False, replay="disabled"):
+        model = SimpleNamespace(model_type="value_model", lora_rank=lora_rank, mtp=SimpleNamespace(enable=mtp))
+        return model, SimpleNamespace(router_replay=SimpleNamespace(mode=replay))
+
+    assert is_value_role(configs()[0])
+    check_value_model_config(*configs())
+    for kwargs, message in [
+        (dict(lora_rank=8), "critic.model.lora_rank=8"),
+        (dict(mtp=True), "critic.model.mtp.enable=true"),
+        (dict(replay="R3"), "router_replay.mode='R3'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_value_model_config(*configs(**kwargs))
+    with pytest.raises(ValueError, match="must be one of"):
+        is_value_role(SimpleNamespace(model_type="reward_model"))
