@@ -9,7 +9,8 @@ the loss call (`forward_backward_batch`), weights out (`engines/export.py`), pla
 (`engines/checkpoint.py`).
 
 One micro-batch: `batch.split_micro_batches` -> `batch.pack_micro_batch` -> `logprob_model.packed_log_probs`
-(the spec and the fused log-prob head, Ulysses-sliced under SP) -> verl's `loss_function` -> backward.
+(the spec and the fused log-prob head, Ulysses-sliced under SP) -> verl's `loss_function` (plus the MTP
+loss under verl's `model.mtp.enable_train`: `engines/mtp_loss.py`) -> backward.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func
-from verl_moe.engines import batch, export, router_replay
+from verl_moe.engines import batch, export, mtp_loss, router_replay
 from verl_moe.engines import checkpoint as ckpt
 from verl_moe.engines.config import (
     engine_layout,
     lora_merge,
     lora_settings,
+    mtp_loss_scale,
+    mtp_switches,
     ops_config,
     precision_dtypes,
     validate_engine_config,
@@ -95,6 +98,7 @@ class MoeEngineBase(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.layout = engine_layout(engine_config, model_config)
         self.lora = lora_settings(model_config)  # None: no LoRA
+        self.mtp_loss_scale = mtp_loss_scale(model_config)  # 0.0: no MTP loss (verl's model.mtp)
         self.mode = None
         self.rank = dist.get_rank()
         self.device = device.current_device()
@@ -150,7 +154,8 @@ class MoeEngineBase(BaseEngine):
             add_value_head(model)  # lm_head swapped for the value head (models/value_head.py)
             module = ValueModel(model)
         else:
-            module = LogProbModel(model, logprob_head(ops.impl("logprob")))  # resolved once, as the model's ops
+            head = logprob_head(ops.impl("logprob"))  # resolved once, as the model's ops
+            module = LogProbModel(model, head, mtp_detach=mtp_switches(self.model_config)[3])
         self._shard(module)
         module.to_empty(device=self.device)
         check_tied_embeddings(module.model)  # a tied lm_head still shares the embedding's weight
@@ -166,7 +171,14 @@ class MoeEngineBase(BaseEngine):
                 **picks,
             ).state_dict()
         elif self.rank == 0:
-            full_state = from_pretrained(self.model_config.local_path, dtype=self.master_dtype, device="cpu", **picks)
+            # built from verl's config, not the folder's: verl zeroes its MTP layers unless model.mtp.enable
+            full_state = from_pretrained(
+                self.model_config.local_path,
+                dtype=self.master_dtype,
+                device="cpu",
+                config=self.model_config.hf_config,
+                **picks,
+            )
             if self.lora is not None:
                 # rank 0 draws the A factors (broadcast with the weights) from the engine seed: any layout
                 # of the same config starts from the same adapters
@@ -288,6 +300,10 @@ class MoeEngineBase(BaseEngine):
         defer_sync = self.layout.defer_grad_sync
         # R2 records the routing of a forward-only pass, replays it in training; R3 always replays
         replay_action = router_replay.step_action(self.engine_config.router_replay.mode, data, forward_only)
+        mtp = None  # the MTP loss's mini-batch counts, when training with it
+        if self.mtp_loss_scale and not forward_only and loss_function is not None:
+            depth = self.module.model.arch.mtp_num_hidden_layers
+            mtp = mtp_loss.batch_mtp_loss(data, depth, self.mtp_loss_scale, dp_group, self.get_data_parallel_size())
         outputs = []
         for i, micro_indices in enumerate(indices):
             micro_batch = batch.select_micro_batch(data, micro_indices)
@@ -299,13 +315,14 @@ class MoeEngineBase(BaseEngine):
             routing = nullcontext()
             if replay_action is not None:
                 routing = self.router_replay.armed(replay_action, micro_batch, packed, self.sequence_parallel)
+            mtp_targets = None if mtp is None else mtp_loss.micro_batch_targets(micro_batch, packed, mtp.depth)
             with routing:
                 if self.value_head:  # verl's critic: {"values": nested [N, j]}, read by verl's value_loss
                     values = packed_values(self.module, packed, self.sequence_parallel)
-                    model_output = {"values": batch.unpack_to_nested(values, packed)}
+                    model_output, mtp_ce = {"values": batch.unpack_to_nested(values, packed)}, None
                 else:
-                    log_probs, entropy = packed_log_probs(
-                        self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only
+                    log_probs, entropy, mtp_ce = packed_log_probs(
+                        self.module, packed, self.sequence_parallel, calculate_entropy, not forward_only, mtp_targets
                     )
                     model_output = {"log_probs": batch.unpack_to_nested(log_probs, packed)}
                     if entropy is not None:
@@ -313,6 +330,9 @@ class MoeEngineBase(BaseEngine):
                 loss, metrics = None, {}
                 if loss_function is not None:
                     loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
+                if mtp_ce is not None:
+                    loss = loss + mtp.term(mtp_ce)
+                    metrics = {**metrics, "mtp_loss": mtp_loss.micro_batch_mean(mtp_ce, mtp_targets[1])}
                 if not forward_only:
                     if loss is None:
                         raise ValueError("training needs a loss_function")

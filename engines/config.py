@@ -11,6 +11,7 @@ working. verl's `BaseConfig` makes every field read-only except the few verl its
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +49,8 @@ class MoeFsdp2EngineConfig(FSDPEngineConfig):
             (for text-only data; the default runs the tower in every forward).
     Read from verl's model config: enable_gradient_checkpointing (per decoder layer and ViT block) and
     enable_activation_offload (each decoder layer's saved tensors, its inputs under checkpointing, wait
-    for backward in host memory: `models/activation_offload.py`), and LoRA (both engines: `lora_settings`,
-    `lora_merge`, `models/lora.py`).
+    for backward in host memory: `models/activation_offload.py`), LoRA (both engines: `lora_settings`,
+    `lora_merge`, `models/lora.py`) and MTP (`model.mtp`: `mtp_loss_scale`, `engines/mtp_loss.py`).
     """
 
     strategy: str = "fsdp2"
@@ -152,6 +153,42 @@ def vision_switch(engine_config: FSDPEngineConfig | VeOmniEngineConfig, name: st
     return isinstance(engine_config, MoeFsdp2EngineConfig | MoeVeOmniEngineConfig) and getattr(engine_config, name)
 
 
+def mtp_switches(model_config) -> tuple[bool, bool, float, bool]:
+    """verl's `model_config.mtp` (`MtpConfig`) as (enable, enable_train, mtp_loss_scaling_factor,
+    detach_encoder); all off for a model config without one (a stand-in holding only other fields)."""
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is None:
+        return False, False, 0.0, False
+    return bool(mtp.enable), bool(mtp.enable_train), float(mtp.mtp_loss_scaling_factor), bool(mtp.detach_encoder)
+
+
+def mtp_loss_scale(model_config) -> float:
+    """The MTP loss factor of verl's `model_config.mtp`: its `mtp_loss_scaling_factor` when `enable_train`
+    is on, else 0.0 (no MTP loss). `mtp.enable` alone keeps the MTP layers in the model (loaded, saved,
+    exported) without training them; verl zeroes the config's MTP layer count otherwise."""
+    _, train, scale, _ = mtp_switches(model_config)
+    return scale if train else 0.0
+
+
+def _check_mtp(model_config, arch: ArchConfig, sequence_parallel: int) -> None:
+    """verl's `model_config.mtp` against the model: MTP on needs MTP layers; training them needs MTP on, a
+    finite factor >= 0 and no sequence parallelism (a rank's slice would need the next rank's tokens for
+    its shift). Raises ValueError."""
+    enable, train, scale, _ = mtp_switches(model_config)
+    if enable and not arch.mtp_num_hidden_layers:
+        raise ValueError("model.mtp.enable=true needs a config with MTP layers (mtp_num_hidden_layers > 0), got 0")
+    if not train:
+        return
+    if not enable:
+        raise ValueError("model.mtp.enable_train=true needs model.mtp.enable=true (the MTP layers in the model)")
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"model.mtp.mtp_loss_scaling_factor={scale} must be finite and >= 0")
+    if sequence_parallel > 1:
+        raise ValueError(
+            f"model.mtp.enable_train is not supported with sequence parallelism (size {sequence_parallel})"
+        )
+
+
 def precision_dtypes(
     engine_config: FSDPEngineConfig | VeOmniEngineConfig,
 ) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -196,6 +233,7 @@ def validate_engine_config(model_config, engine_config, world_size: int) -> None
     bad = arch.sequence_parallel_problems(sp)
     if bad:
         raise ValueError(f"ulysses sequence-parallel size {sp} does not divide the head counts {bad}")
+    _check_mtp(model_config, arch, sp)
     # the fsdp2 engine shards over world ranks, the veomni engine over data-parallel ranks
     veomni = isinstance(engine_config, VeOmniEngineConfig)
     shard_world = world_size // sp if veomni else world_size

@@ -22,6 +22,7 @@ names this command instead.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import sys
@@ -105,6 +106,10 @@ def _model_from_dcp(dcp_dir: str, config_dir: str):
     spec = get_spec(config.model_type)
     # the engines train a vision-language config's text decoder alone until they feed images
     text_only = spec.vision_arch is not None and not any(k.startswith("model.visual.") for k in saved)
+    if spec.mtp_prefix and not any(k.startswith(spec.mtp_prefix) for k in saved):
+        # trained with verl's model.mtp off: the engine's model had no MTP layers (verl zeroes their count)
+        config = copy.deepcopy(config)
+        spec.text_config(config).mtp_num_hidden_layers = 0
     dtype = next(iter(saved.values())).properties.dtype
     model = build(config, dtype=dtype, device="meta", text_only=text_only)
     model.to_empty(device="cpu")

@@ -242,12 +242,14 @@ class MoeCausalLM(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_cpu: HostOffsets | None = None,
+        detach_inputs: bool = False,
     ) -> torch.Tensor:
         """The MTP module over a forward's output: hidden [B, T, D] (`forward`'s last_hidden_state) and the
         forward's input_ids / position_ids / cu_seqlens -> [n, B, T, D], depth k's hidden state at t (its
         logits predict token t+k+1; `models/mtp.py::mtp_targets` says which positions count). Token ids are
-        shifted within each sequence, never across a packed boundary. Raises ValueError for a model without
-        MTP layers."""
+        shifted within each sequence, never across a packed boundary. detach_inputs: the hidden states and
+        embeddings enter detached (the MTP loss then trains the MTP module and lm_head only). Raises
+        ValueError for a model without MTP layers."""
         mtp = getattr(self, "mtp", None)
         if mtp is None:
             raise ValueError(f"{self.arch.mtp_num_hidden_layers=}: this model has no MTP layers")
@@ -256,6 +258,8 @@ class MoeCausalLM(nn.Module):
         text = self.model.language_model if hasattr(self.model, "language_model") else self.model
         shifted = [shift_left(input_ids, k, cu_seqlens)[0] for k in range(1, len(mtp.layers) + 1)]
         next_embeds = text.embed_tokens(torch.stack(shifted))
+        if detach_inputs:
+            hidden, next_embeds = hidden.detach(), next_embeds.detach()
         cos, sin = text.rotary(position_ids, hidden.dtype)
         return mtp(hidden, next_embeds, cos, sin, cu_seqlens, cu_seqlens_cpu)
 

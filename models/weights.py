@@ -224,10 +224,12 @@ def from_pretrained(
     ops: OpsConfig | Mapping | None = None,
     compute_dtype: torch.dtype | None = None,
     text_only: bool = False,
+    config=None,
 ) -> MoeCausalLM | MoeVisionLM:
     """Build the model of a local HF folder and load its weights (strict; see module docstring).
     Parameters are allocated once on `device` (no random init of what the checkpoint overwrites).
-    compute_dtype, text_only: as in `verl_moe.models.build`.
+    compute_dtype, text_only: as in `verl_moe.models.build`. config: the HF config to build instead of
+    the folder's config.json (verl's model config, which zeroes the MTP layers unless `model.mtp.enable`).
 
     Raises:
         FileNotFoundError: `path` is not a folder, or lacks config.json or weight files.
@@ -240,7 +242,7 @@ def from_pretrained(
         raise FileNotFoundError(f"model folder {root} does not exist")
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {root}")
-    hf_config = AutoConfig.from_pretrained(str(root))
+    hf_config = AutoConfig.from_pretrained(str(root)) if config is None else config
     model = build(hf_config, dtype=dtype, device="meta", ops=ops, compute_dtype=compute_dtype, text_only=text_only)
     checkpoint_files(root)  # a folder without weights fails before any allocation
     model.to_empty(device=torch.device(device))

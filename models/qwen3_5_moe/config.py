@@ -5,6 +5,8 @@ What transformers does that this mirrors: RMSNorms use (1 + weight); attention h
 output gate; rotary is interleaved mRoPE on the first `partial_rotary_factor` of each head
 (rope_parameters' `mrope_section`, default [11, 11, 10]); every layer is MoE with a gated
 shared expert; the router always renormalises its top-k (transformers ignores `norm_topk_prob`).
+Beyond transformers: `mtp_num_hidden_layers` (config.json carries it, transformers' class does not read it)
+gives the multi-token-prediction layers its model drops (docs/mtp.md).
 """
 
 from __future__ import annotations

@@ -212,3 +212,18 @@ def test_vision_language_model_carries_mtp_under_top_level_names():
     ids, pos, cu, _ = packed_batch()
     hidden = model(ids, pos[None].expand(3, 1, -1), cu).last_hidden_state
     assert model.mtp_hidden_states(hidden, ids, pos[None].expand(3, 1, -1), cu).shape == (1, *hidden.shape)
+
+
+def test_detached_inputs_train_only_the_mtp_module_and_head(mtp_model):
+    """verl's detach_encoder: the MTP loss reaches the MTP module and the shared lm_head, not the decoder."""
+    model = mtp_model
+    model.zero_grad(set_to_none=True)
+    ids, pos, cu, loss_mask = packed_batch()
+    hidden = model(ids, pos, cu).last_hidden_state
+    depths = model.mtp_hidden_states(hidden, ids, pos, cu, detach_inputs=True)
+    labels, mask = mtp_targets(ids, loss_mask, model.arch.mtp_num_hidden_layers, cu)
+    ce = F.cross_entropy(model.logits(depths).flatten(0, 2), labels.flatten(), reduction="none")
+    (ce * mask.flatten()).sum().backward()
+    got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert "lm_head.weight" in got and "mtp.fc.weight" in got
+    assert not any(n.startswith("model.") for n in got), sorted(n for n in got if n.startswith("model."))
