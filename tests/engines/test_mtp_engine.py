@@ -138,8 +138,8 @@ def test_mtp_loss_matches_single_process_reference(tmp_path, backend):
 
 
 def test_rl_batch_loss_mask_sits_on_the_response_tokens():
-    """An RL batch's response-padded loss_mask placed per token where verl's no_padding_2_padding reads the
-    response (it reads the log-prob of token s at packed index s - 1)."""
+    """An RL batch's per-response loss_mask (padded [N, R], or nested [N, r_j] as main_ppo hands it) placed
+    per token where verl's no_padding_2_padding reads the response (the log-prob of token s at index s - 1)."""
     from verl.workers.utils.padding import no_padding_2_padding
     from verl_moe.engines.mtp_loss import token_loss_mask
 
@@ -151,6 +151,10 @@ def test_rl_batch_loss_mask_sits_on_the_response_tokens():
     valid = data["attention_mask"][:, data["prompts"].shape[1] :].bool()
     assert torch.equal(per_token[token_of_column[valid]], data["loss_mask"][valid])
     assert per_token.sum() == data["loss_mask"].sum()
+    # main_ppo's form: the same rows nested [N, r_j]
+    rows = [row[v] for row, v in zip(data["loss_mask"], valid)]
+    data["loss_mask"] = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    assert torch.equal(token_loss_mask(data), per_token)
 
 
 def test_mtp_configuration_errors(tmp_path):
