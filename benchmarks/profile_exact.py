@@ -10,6 +10,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 from verl_moe.engines.rollout import exact_bench as eb
+from verl_moe.engines.rollout.bench import rl_requests
 from verl_moe.models import OpsConfig, build
 from verl_moe.models.causal_lm import resolve_ops
 from verl_moe.models.train_step_bench import reduced_config
@@ -22,7 +23,7 @@ torch.manual_seed(0)
 config = reduced_config(layers)
 model = build(config, dtype=torch.bfloat16, device=dev)
 ops = {"fast": model.ops, "exact": resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)}
-reqs = eb.rl_requests(requests, config.vocab_size)
+reqs = rl_requests(requests, config.vocab_size)
 
 
 def table(prof, title, per=1):

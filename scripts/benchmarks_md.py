@@ -192,10 +192,15 @@ def _mfu_header(rows: list[dict]) -> str:
 
 
 def _step_cells(r: dict) -> list[str]:
-    """A training-step row's ms, kernel ms, tokens/s, MFU, peak GiB and loss difference cells."""
+    """A training-step row's ms, kernel ms, busy share, tokens/s, MFU, peak GiB and loss difference cells
+    (a row that did not run: why, and the memory it asked for)."""
+    if "error" in r:
+        asked = f" (asked for {num(r['asked_gib'], 3)} GiB)" if r.get("asked_gib") == r.get("asked_gib") else ""
+        return [f"not run: {r['error'].split(':')[0]}{asked}"] + [""] * 6
     return [
         num(r["ms"]),
         num(r.get("kernel_ms")),
+        pct(r["kernel_ms"] / r["ms"] if r.get("kernel_ms") == r.get("kernel_ms") else None),
         num(r["tokens_per_s"]),
         pct(r["mfu"]),
         num(r["peak_gib"], 3),
@@ -211,7 +216,8 @@ def _skipped_note(reports: list[tuple[str, dict]]) -> str:
 def model_section(reports: list[tuple[str, dict]]) -> str:
     rows = [r for _, rep in reports for r in rep["rows"]]
     ours = _ours(rows[0]) or "ours"
-    header = ["case", "provider", "ms", "kernel ms", "tokens/s", _mfu_header(rows), "peak GiB", "loss rel. diff"]
+    header = ["case", "provider", "ms", "kernel ms", "busy", "tokens/s", _mfu_header(rows), "peak GiB"]
+    header.append("loss rel. diff")
     header.append(f"{ours} ms / this ms")
     body = [
         [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
@@ -231,7 +237,8 @@ def integration_section(op: str, reports: list[tuple[str, dict]]) -> str:
     anchors = {(r["case"], r["mode"]): r for r in rows if r["provider"] == anchor_name}
     fla = any("fla" in r for r in rows)
     # integrations/bench.py::step_row divides models/flops.py's count (the rows do not carry it)
-    header = ["case", "provider"] + (["fla"] if fla else []) + ["ms", "kernel ms", "tokens/s", "MFU (model FLOPs)"]
+    header = ["case", "provider"] + (["fla"] if fla else []) + ["ms", "kernel ms", "busy", "tokens/s"]
+    header.append("MFU (model FLOPs)")
     header += ["peak GiB", "loss rel. diff", "tokens/s / anchor's", "peak / anchor's"]
     body = []
     for r in rows:
@@ -239,9 +246,10 @@ def integration_section(op: str, reports: list[tuple[str, dict]]) -> str:
         line = [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
         if fla:
             line.append("yes" if r.get("fla") else "no")
+        measured = anchor and "error" not in r and "error" not in anchor
         line += _step_cells(r) + [
-            f"{num(r['tokens_per_s'] / anchor['tokens_per_s'], 3)}x" if anchor else "-",
-            num(r["peak_gib"] / anchor["peak_gib"], 3) if anchor else "-",
+            f"{num(r['tokens_per_s'] / anchor['tokens_per_s'], 3)}x" if measured else "-",
+            num(r["peak_gib"] / anchor["peak_gib"], 3) if measured else "-",
         ]
         body.append(line)
     right = {i for i, h in enumerate(header) if h not in ("case", "provider", "fla")}
@@ -317,9 +325,10 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
     header += ["floor ms", "peak GiB"]
     rows = []
     for _, rep in reports:
-        anchor = next((r for r in rep["records"] if r["provider"] == "transformers" and "error" not in r), None)
+        uniform = [r for r in rep["records"] if r.get("case", "uniform") == "uniform"]
+        anchor = next((r for r in uniform if r["provider"] == "transformers" and "error" not in r), None)
         env = ", ".join(env_assignments(rep))
-        for r in rep["records"]:
+        for r in uniform:
             r = {**r, "provider": f"{r['provider']} ({env})" if env else r["provider"]}
             if "error" in r:
                 rows.append([r["provider"], str(r["batch"]), f"failed: {r['error']}"] + [""] * (len(header) - 3))
@@ -336,6 +345,42 @@ def decode_section(reports: list[tuple[str, dict]]) -> str:
                     num(r["tokens_per_s"], 3),
                     f"{num(ratio, 3)}x" if anchor else "-",
                     num(r["floor_step_ms"], 3),
+                    num(r["peak_GiB"], 3),
+                ]
+            )
+    return table(header, rows, right=set(range(1, len(header)))) + "\n\n" + footer(reports)
+
+
+def decode_rl_section(reports: list[tuple[str, dict]]) -> str:
+    """`verl-moe bench rollout --case rl`: a fresh engine per batch against one kept, the anchor transformers."""
+    header = ["provider", "batch", "tokens", "fresh s", "build ms", "prefill ms", "decode ms", "step ms"]
+    header += ["tokens/s", "kept s", "kept tokens/s", "fresh / kept", "vs transformers", "cold s", "peak GiB"]
+    rows = []
+    for _, rep in reports:
+        rl = [r for r in rep["records"] if r.get("case") == "rl"]
+        anchor = next((r for r in rl if r["provider"] == "transformers" and "error" not in r), None)
+        for r in rl:
+            if "error" in r:
+                rows.append([r["provider"], str(r["batch"]), f"failed: {r['error']}"] + [""] * (len(header) - 3))
+                continue
+            ratio = r["tokens_per_s"] / anchor["tokens_per_s"] if anchor else float("nan")
+            kept = "kept_s" in r
+            rows.append(
+                [
+                    r["provider"],
+                    str(r["batch"]),
+                    str(r["tokens"]),
+                    num(r["fresh_s"], 3),
+                    num(r.get("build_ms"), 3) if kept else "-",
+                    num(r.get("prefill_ms"), 3) if kept else "-",
+                    num(r.get("decode_ms"), 3) if kept else "-",
+                    num(r.get("decode_step_ms"), 3) if kept else "-",
+                    num(r["tokens_per_s"], 3),
+                    num(r["kept_s"], 3) if kept else "-",
+                    num(r["kept_tokens_per_s"], 3) if kept else "-",
+                    f"{num(r['fresh_s'] / r['kept_s'], 3)}x" if kept else "-",
+                    f"{num(ratio, 3)}x" if anchor else "-",
+                    num(r["cold_s"], 3),
                     num(r["peak_GiB"], 3),
                 ]
             )
@@ -523,7 +568,19 @@ def render(reports: dict[str, dict]) -> str:
             "256 new tokens each, temperature 1, log-probs on (transformers: none). Cold = a fresh engine's first "
             "batch; first pass = a batch of new lengths after a warm-up batch of others; step = the same lengths "
             "again; floor = bytes a step must move over the measured copy bandwidth. Tokens/s include the prefill.",
-            decode_section(decode),
+            decode_section(
+                [(n, r) for n, r in decode if any(x.get("case", "uniform") == "uniform" for x in r["records"])]
+            ),
+        ]
+    if any(r.get("case") == "rl" for _, rep in decode for r in rep["records"]):
+        sections += [
+            "### RL-shaped batches",
+            "`verl-moe bench rollout --case rl`: 256 requests, prompt lengths uniform in 32-512 and stops uniform in "
+            "16-256 (fixed seeds, `ignore_eos`), one `generate` call each. Fresh = a new engine per batch, as verl's "
+            "`free_cache_engine=true` gives every step (build = its slots and device graphs); kept = one engine "
+            "across batches; cold = the first batch of the process (compiles). transformers: one left-padded "
+            "generate, every row run to the longest stop. Tokens/s count the tokens the requests asked for.",
+            decode_rl_section([(n, r) for n, r in decode if any(x.get("case") == "rl" for x in r["records"])]),
         ]
     if exact:
         sections += [

@@ -14,10 +14,13 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..ops import device
 from ..ops.common.timing import kernel_ms, time_ms
@@ -81,10 +84,48 @@ def _errors(ref_out: list, out: list) -> list[float]:
     return [float("nan") if r is None or o is None else rel_rms(r, o) for r, o in zip(ref_out, out)]
 
 
-def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
+def _asked_gib(message: str) -> float:
+    """The allocation an out-of-memory error names ("Tried to allocate 15.00 GiB"), in GiB; NaN if none."""
+    match = re.search(r"[Tt]ried to allocate ([0-9.]+) ([KMGT]i?B)", message)
+    if not match:
+        return float("nan")
+    scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}[match.group(2)[0]]
+    return float(match.group(1)) * scale
+
+
+def _failed_row(case: dict, mode: str, provider: str, exc: BaseException, extra: dict) -> dict:
+    """The row of a provider that could not run the case: out of memory (with the allocation it asked
+    for; not a failed check) or another error (a failed check)."""
+    # torch_npu raises a RuntimeError saying "out of memory" where cuda raises torch.OutOfMemoryError
+    oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    message = " ".join(str(exc).split())
+    return {
+        "case": case["id"],
+        "mode": mode,
+        "provider": provider,
+        "ms": float("nan"),
+        "kernel_ms": float("nan"),
+        "peak_extra_gib": float("nan"),
+        "rel_rms_vs_ref": float("nan"),
+        "rel_rms_per_output": [],
+        "check_ok": oom,
+        "error": f"{type(exc).__name__}: {message[:300]}",
+        **({"asked_gib": _asked_gib(message)} if oom else {}),
+        **extra,
+    }
+
+
+def run(
+    cfg: BenchConfig,
+    on_row: Callable[[dict], None] | None = None,
+    on_start: Callable[[str, str, str], None] | None = None,
+) -> dict:
     """Run the benchmark of `cfg.op`; returns the report dict, also written to cfg.json_path after
     every (case, mode), so a run cut short keeps what it measured. `on_row` sees each row as soon
-    as it is measured (its ratio columns come with the report)."""
+    as it is measured (its ratio columns come with the report), `on_start` each (case, mode, provider)
+    as it starts. A provider that runs out of memory or fails on a case becomes a row with its `error`
+    (and, out of memory, the `asked_gib` it asked for), and the run goes on; `busy_share` is the
+    kernels' share of the wall time where both are measured."""
     module = BENCH_MODULES.get(cfg.op, f"verl_moe.ops.{cfg.op}.bench")
     bench = importlib.import_module(module)
     dev = device.current_device()
@@ -123,26 +164,47 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     for case in cases if active else []:
         case_active = [p for p in active if p in case.get("providers", active)]
         for mode in cfg.modes or bench.MODES:
-            inputs = bench.make_inputs({**case, **cfg.extra}, dev)
-            ref_out = None
+            failed: dict[str, BaseException] = {}
+            inputs = ref_out = call = out = None
+            try:
+                inputs = bench.make_inputs({**case, **cfg.extra}, dev)
+            except Exception as exc:  # the case itself does not fit: every provider's row says so
+                failed = dict.fromkeys(case_active, exc)
             # The check needs the reference selected (and runnable); deselecting it times only.
-            if case.get("check", True) and bench.REFERENCE in case_active:
-                ref_out = [t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)]
+            if not failed and case.get("check", True) and bench.REFERENCE in case_active:
+                try:
+                    ref_out = [t.detach() if t is not None else None for t in bench.run(bench.REFERENCE, inputs, mode)]
+                except Exception as exc:
+                    failed[bench.REFERENCE] = exc
             timings = {}
             for p in case_active:
-                call = functools.partial(bench.run, p, inputs, mode)
-                for _ in range(cfg.warmup):
-                    out = call()
-                # A case may name providers whose output is not comparable there (transformers ignores packing).
-                checked = ref_out is not None and p not in case.get("unchecked", ())
-                errors = _errors(ref_out, out) if checked else []
-                measured = [e for e in errors if e == e]
-                err = max(measured) if measured else float("nan")
-                ok = err != err or err <= bench.TOLERANCE.get(p, 0.0)
-                del out
-                ms = time_ms(call, cfg.reps)
-                kms = kernel_ms(call, min(cfg.reps, 3))
-                mem = _peak_extra_gib(call)
+                if on_start:
+                    on_start(case["id"], mode, p)
+                if p not in failed:
+                    try:
+                        call = functools.partial(bench.run, p, inputs, mode)
+                        for _ in range(cfg.warmup):
+                            out = call()
+                        # A case may name providers whose output is not comparable there (transformers ignores
+                        # packing).
+                        checked = ref_out is not None and p not in case.get("unchecked", ())
+                        errors = _errors(ref_out, out) if checked else []
+                        out = None
+                        measured = [e for e in errors if e == e]
+                        err = max(measured) if measured else float("nan")
+                        ok = err != err or err <= bench.TOLERANCE.get(p, 0.0)
+                        ms = time_ms(call, cfg.reps)
+                        kms = kernel_ms(call, min(cfg.reps, 3))
+                        mem = _peak_extra_gib(call)
+                    except Exception as exc:
+                        failed[p] = exc
+                if p in failed:
+                    rows.append(_failed_row(case, mode, p, failed.pop(p), cfg.extra))
+                    out = call = None
+                    device.empty_cache()  # the failed provider's tensors went with its frames
+                    if on_row:
+                        on_row(rows[-1])
+                    continue
                 timings[p] = (ms, kms)
                 rows.append(
                     {
@@ -151,6 +213,7 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                         "provider": p,
                         "ms": ms,
                         "kernel_ms": kms,
+                        "busy_share": kms / ms,
                         "peak_extra_gib": mem,
                         "rel_rms_vs_ref": err,
                         "rel_rms_per_output": errors,
@@ -164,7 +227,7 @@ def run(cfg: BenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
                     on_row(rows[-1])
             ours = active[0] if active else None
             for row in rows:
-                if row["case"] == case["id"] and row["mode"] == mode and ours in timings:
+                if row["case"] == case["id"] and row["mode"] == mode and ours in timings and "error" not in row:
                     row[f"ratio_{ours}_over_this"] = timings[ours][0] / row["ms"]
                     if row["kernel_ms"] == row["kernel_ms"]:  # measured (cuda)
                         row[f"kernel_ratio_{ours}_over_this"] = timings[ours][1] / row["kernel_ms"]
@@ -211,6 +274,14 @@ def _cell(value) -> str:
 
 def print_row(row: dict) -> None:
     """One progress line per measured row (the table follows at the end)."""
+    if "error" in row:
+        asked = (
+            f" (asked for {row['asked_gib']:.2f} GiB)"
+            if row.get("asked_gib", float("nan")) == row.get("asked_gib")
+            else ""
+        )
+        print(f"{row['case']} {row['mode']} {row['provider']}: not run: {row['error']}{asked}", flush=True)
+        return
     derived = "".join(f", {k} {_cell(row[k])}" for k in _extra_columns(row) if not k.startswith(RATIO_PREFIXES))
     kernel = f" (kernels {row['kernel_ms']:.3f} ms)" if row["kernel_ms"] == row["kernel_ms"] else ""
     print(
@@ -223,7 +294,7 @@ def print_row(row: dict) -> None:
 
 def print_report(report: dict) -> None:
     columns = ["case", "mode", "provider", "ms", "kernel_ms", "peak_extra_gib", "rel_rms_vs_ref", "check_ok"]
-    extra = _extra_columns(report["rows"][0]) if report["rows"] else []
+    extra = list(dict.fromkeys(k for row in report["rows"] for k in _extra_columns(row)))
     render_table(f"verl-moe bench {report['op']} on {report['device_name']}", columns + extra, report["rows"])
     for p, why in report["skipped_providers"].items():
         print(f"skipped provider {p}: {why}")

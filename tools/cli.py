@@ -10,6 +10,7 @@ starts any work, and `_Group.main` below turns those and click's usage errors in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import warnings
@@ -86,7 +87,9 @@ def bench(
         "exact (exact mode against fast mode: rollout vs trainer log-probs, decode and train step), "
         "veomni / transformers (our kernels inside those projects' models)",
     ),
-    case: list[str] = typer.Option([], help="case id(s) to run (default: all)"),
+    case: list[str] = typer.Option(
+        [], help="case id(s) to run (default: all); rollout: uniform (fixed lengths) and/or rl (RL-shaped batches)"
+    ),
     provider: list[str] = typer.Option([], help="provider(s) to run (default: all)"),
     mode: list[str] = typer.Option([], help="fwd and/or fwd_bwd (default: both)"),
     reps: int = typer.Option(10, help="timed repetitions; the median is reported"),
@@ -121,28 +124,51 @@ def bench(
             records = exact_bench.run(batch, layers, on_record=on_record)
         else:
             providers = tuple(provider) or rollout_bench.PROVIDERS
-            records = rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, on_record)
+            cases = tuple(case) or rollout_bench.CASES
+            unknown = sorted(set(cases) - set(rollout_bench.CASES))
+            if unknown:
+                raise typer.BadParameter(f"unknown rollout case(s) {unknown}; choices: {list(rollout_bench.CASES)}")
+            records = []
+
+            def add(new: list[dict]) -> None:
+                on_record([*records, *new])
+
+            if "uniform" in cases:
+                records += rollout_bench.run(batch, prompt_len, new_tokens, layers, providers, add)
+            if "rl" in cases:
+                records += rollout_bench.run_rl(batch, layers, providers, add)
         if any("error" in r for r in records):
             raise typer.Exit(1)
         return
+    from rich.console import Console
+
     from .bench import BenchConfig, print_report, print_row, run
 
-    report = run(
-        BenchConfig(
-            op=op,
-            cases=tuple(case),
-            providers=tuple(provider),
-            modes=tuple(mode),
-            reps=reps,
-            json_path=json_path,
-            extra={
-                **({"offload": True} if offload else {}),
-                **({"checkpoint_units": checkpoint_units} if checkpoint_units else {}),
-                **({"tile_tokens": tile_tokens} if tile_tokens else {}),
-            },
-        ),
-        on_row=print_row,
+    config = BenchConfig(
+        op=op,
+        cases=tuple(case),
+        providers=tuple(provider),
+        modes=tuple(mode),
+        reps=reps,
+        json_path=json_path,
+        extra={
+            **({"offload": True} if offload else {}),
+            **({"checkpoint_units": checkpoint_units} if checkpoint_units else {}),
+            **({"tile_tokens": tile_tokens} if tile_tokens else {}),
+        },
     )
+    console = Console(stderr=True)
+    # what runs now: a live status line on a terminal, one line per start in logs (device runs, CI)
+    with console.status(f"bench {op}", spinner="dots") if console.is_terminal else contextlib.nullcontext() as live:
+
+        def on_start(case_id: str, mode_id: str, provider_id: str) -> None:
+            text = f"bench {op}: {case_id} {mode_id} {provider_id}"
+            if live is not None:
+                live.update(text)
+            else:
+                print(text, file=sys.stderr, flush=True)
+
+        report = run(config, on_row=print_row, on_start=on_start)
     print_report(report)
     if not all(r["check_ok"] for r in report["rows"]):
         raise typer.Exit(1)

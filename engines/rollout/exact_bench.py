@@ -26,25 +26,9 @@ from collections.abc import Callable
 import torch
 
 from ...ops import device as devices
-from .bench import _synced
+from .bench import _synced, generate_fresh, rl_requests
 
 MODES = ("fast", "exact")
-
-
-def rl_requests(n: int, vocab: int, seed: int = 0, prompt_lens=(32, 512), new_tokens=(16, 256)):
-    """n requests with prompt lengths and generation lengths uniform in the given inclusive ranges."""
-    from .engine import Request
-    from .sampling import SamplingParams
-
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(prompt_lens[0], prompt_lens[1] + 1, (1,), generator=gen))
-        new = int(torch.randint(new_tokens[0], new_tokens[1] + 1, (1,), generator=gen))
-        prompt = tuple(torch.randint(0, vocab, (length,), generator=gen).tolist())
-        params = SamplingParams(max_tokens=new, temperature=1.0, logprobs=True, ignore_eos=True)
-        out.append(Request(f"r{i}", prompt, params))
-    return out
 
 
 def use_ops(model, ops) -> None:
@@ -63,18 +47,8 @@ def _seconds(fn: Callable, *args, **kwargs):
 
 def _generate(model, requests):
     """A fresh engine generates `requests`: (prefill s, decode s, completions in request order)."""
-    from .engine import GenerationEngine
-
-    engine = GenerationEngine(model, [], seed=0, max_num_seqs=len(requests))
-    prefill_s, added = _seconds(engine.add, requests)
-    done = {c.request_id: c for c in added}
-
-    def decode():
-        while engine.num_running:
-            done.update((c.request_id, c) for c in engine.step(64))
-
-    decode_s, _ = _seconds(decode)
-    return prefill_s, decode_s, [done[r.request_id] for r in requests]
+    run = generate_fresh(model, requests)
+    return run["prefill_ms"] / 1e3, run["decode_ms"] / 1e3, run["done"]
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -194,4 +168,4 @@ def run(
     return records
 
 
-__all__ = ["MODES", "rl_requests", "run", "use_ops"]
+__all__ = ["MODES", "run", "use_ops"]

@@ -254,3 +254,22 @@ def test_rollout_bench_passes_run_on_cpu():
     runs = _ours(_model(), graphs=False, passes=passes)
     assert [r["steps"] for r in runs] == [3, 6, 6]
     assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in runs)
+
+
+def test_rollout_bench_rl_batches_on_cpu():
+    """The RL-shaped case's requests and its fresh engine on the tiny model: lengths drawn in the given
+    ranges from the seed (the same seed gives the same batch, another seed another), and a fresh engine
+    returns every request with exactly the tokens it asked for and one log-prob each, the tokens of each
+    generated alone in its own engine (log-probs within fp32's row-count differences)."""
+    from verl_moe.engines.rollout.bench import generate_fresh, rl_requests
+
+    batch = rl_requests(8, VOCAB, seed=0, prompt_lens=(1, 9), new_tokens=(1, 6))
+    assert all(1 <= len(r.prompt_ids) <= 9 and 1 <= r.params.max_tokens <= 6 for r in batch)
+    assert [r.prompt_ids for r in batch] == [r.prompt_ids for r in rl_requests(8, VOCAB, 0, (1, 9), (1, 6))]
+    assert [r.prompt_ids for r in batch] != [r.prompt_ids for r in rl_requests(8, VOCAB, 1, (1, 9), (1, 6))]
+    run = generate_fresh(_model(), batch, graphs=False)
+    assert [len(c.token_ids) for c in run["done"]] == [r.params.max_tokens for r in batch]
+    assert [len(c.log_probs) for c in run["done"]] == [r.params.max_tokens for r in batch]
+    assert run["steps"] == max(r.params.max_tokens for r in batch) - 1
+    alone = {r.request_id: GenerationEngine(_model(), [], seed=0).generate([r])[0] for r in batch}
+    _assert_same(run["done"], alone)

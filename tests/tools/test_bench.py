@@ -67,28 +67,65 @@ def test_unavailable_provider_is_skipped_with_its_reason(tiny_logprob):
     assert {r["provider"] for r in report["rows"]} == {"naive"}
 
 
-def test_rows_stream_out_and_a_run_cut_short_keeps_its_json(monkeypatch, tmp_path):
-    """Each row reaches `on_row` when measured; the JSON is rewritten after every (case, mode), so a
-    failure in a later case leaves the finished rows on disk (what a timed-out device call needs)."""
+def test_rows_stream_out_and_a_case_that_does_not_fit_becomes_rows(monkeypatch, tmp_path):
+    """Each row reaches `on_row` when measured and the JSON is rewritten as the run goes; a case whose
+    inputs run out of memory becomes one row per provider saying so (with the allocation asked for), and
+    the cases after it still run."""
     broken = {**TINY, "id": "broken"}
+    after = {**TINY, "id": "after"}
     real_make_inputs = logprob_bench.make_inputs
 
     def make_inputs(case, dev):
         if case["id"] == "broken":
-            raise RuntimeError("out of memory (simulated)")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB. GPU 0 has 2 GiB free")
         return real_make_inputs(case, dev)
 
-    monkeypatch.setattr(logprob_bench, "CASES", [TINY, broken])
+    monkeypatch.setattr(logprob_bench, "CASES", [TINY, broken, after])
     monkeypatch.setattr(logprob_bench, "make_inputs", make_inputs)
-    out, seen = tmp_path / "partial.json", []
+    out, seen, started = tmp_path / "report.json", [], []
     cfg = bench.BenchConfig(op="logprob", providers=PROVIDERS[:2], warmup=1, reps=1, json_path=str(out))
-    with pytest.raises(RuntimeError, match="simulated"):
-        bench.run(cfg, on_row=seen.append)
+    report = bench.run(cfg, on_row=seen.append, on_start=lambda *key: started.append(key))
     on_disk = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["provider"]) for r in seen] == [(m, p) for m in ("fwd", "fwd_bwd") for p in PROVIDERS[:2]]
-    assert [(r["case"], r["mode"], r["provider"]) for r in on_disk] == [
-        (r["case"], r["mode"], r["provider"]) for r in seen
+    expected = [
+        (c, m, p) for c in ("N24-D16-V40", "broken", "after") for m in ("fwd", "fwd_bwd") for p in PROVIDERS[:2]
     ]
+    assert started == expected
+    assert [(r["case"], r["mode"], r["provider"]) for r in seen] == expected
+    assert [(r["case"], r["mode"], r["provider"]) for r in on_disk] == expected
+    for row in report["rows"]:
+        if row["case"] == "broken":
+            assert row["error"].startswith("OutOfMemoryError: CUDA out of memory") and row["asked_gib"] == 15.0
+            assert row["check_ok"] and row["ms"] != row["ms"]  # not run, not a failed check
+        else:
+            assert "error" not in row and row["check_ok"] and row["ms"] > 0
+
+
+def test_a_provider_that_fails_becomes_a_row_and_the_others_run(tiny_logprob, monkeypatch):
+    """A provider out of memory is a row with the GiB it asked for; one failing otherwise is a row that fails
+    the check; the reference failing leaves the others timed without a check."""
+    real_run = logprob_bench.run
+
+    def run(provider, inputs, mode):
+        if provider == "verl_chunked":
+            raise torch.OutOfMemoryError("Tried to allocate 512.00 MiB")
+        if provider == "naive" and mode == "fwd_bwd":
+            raise ValueError("a bug")
+        return real_run(provider, inputs, mode)
+
+    monkeypatch.setattr(logprob_bench, "run", run)
+    report = bench.run(bench.BenchConfig(op="logprob", providers=PROVIDERS, warmup=1, reps=1))
+    rows = {(r["mode"], r["provider"]): r for r in report["rows"]}
+    assert set(rows) == {(m, p) for m in ("fwd", "fwd_bwd") for p in PROVIDERS}
+    assert all(
+        rows[(m, "verl_chunked")]["asked_gib"] == 0.5 and rows[(m, "verl_chunked")]["check_ok"]
+        for m in ("fwd", "fwd_bwd")
+    )
+    assert rows[("fwd_bwd", "naive")]["error"] == "ValueError: a bug" and not rows[("fwd_bwd", "naive")]["check_ok"]
+    ours = rows[("fwd_bwd", "ours-torch-chunked")]
+    assert ours["check_ok"] and ours["ms"] > 0 and ours["rel_rms_per_output"] == []  # no reference to check against
+    assert rows[("fwd", "ours-torch-chunked")]["rel_rms_per_output"]  # checked where the reference ran
+    busy = ours["kernel_ms"] / ours["ms"]  # kernel time is measured on accelerators only (NaN on cpu)
+    assert ours["busy_share"] == busy or (busy != busy and ours["busy_share"] != ours["busy_share"])
 
 
 def test_a_report_that_fails_to_write_leaves_the_previous_one_whole(tmp_path):
