@@ -41,7 +41,7 @@ def make_batch(case: dict, device: torch.device, config=None, dtype: torch.dtype
 
 
 def step_row(case: dict, mode: str, inputs: dict, model, ms: float, peak_extra_gib: float) -> dict:
-    """tokens/s, MFU (models/flops.py's model FLOPs over the H200's measured bf16 matmul rate) and the
+    """tokens/s, MFU (models/flops.py's model FLOPs over `PEAK_TFLOPS`, a measured bf16 matmul rate) and the
     provider's own peak memory (its weights + the step's extra peak)."""
     from verl_moe.models.flops import TRAIN_FACTOR, forward_flops
     from verl_moe.models.registry import get_spec

@@ -23,8 +23,8 @@ from .bench import make_batch, no_accelerator, step_row
 
 CASES = [
     {"id": "hf-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},
-    # transformers' torch GatedDeltaNet takes 46 GiB above the weights at 8192 tokens; at 16384 it does not fit
-    # on a 140 GiB GPU beside the other two models and their gradients
+    # transformers' torch GatedDeltaNet's memory grows past what one GPU holds beside the other two models and
+    # their gradients at 16384 tokens (docs/integrations.md)
     {"id": "hf-qwen3.5-moe-L8-T16384", "layers": 8, "tokens": 16384, "providers": ("verl_moe", "transformers")},
 ]
 PROVIDERS = ("verl_moe", "transformers", "transformers_torch")

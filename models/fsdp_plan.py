@@ -76,9 +76,9 @@ class FsdpPlan:
     checkpoint_tile_tokens: int = 0
 
 
-# Token tile of `checkpoint_in_tiles` under activation offload. Measured on the H200 (reduced Qwen3.5-MoE
-# L8, 32K tokens, BENCHMARKS.md): 16,384-token tiles cost +4.6% step time, 8,192-token ones +16% (smaller
-# grouped GEMMs, more launches), for the same peak (an attention layer's backward sets it).
+# Token tile of `checkpoint_in_tiles` under activation offload: smaller tiles cost step time (smaller
+# grouped GEMMs, more launches) for the same peak, which an attention layer's backward sets
+# (docs/activation_offload.md; BENCHMARKS.md's memory table).
 OFFLOAD_TILE_TOKENS = 16384
 
 

@@ -24,7 +24,7 @@ Providers:
 - hf: transformers' `Qwen3_5MoeForCausalLM` (sdpa, grouped_mm experts, fla when installed); it ignores
   packing, so its loss is compared on one-sequence cases only.
 Each row also carries tokens/s, MFU (the step's model FLOPs, `models/flops.py` as verl's `perf/mfu/actor`
-counts them for our models, over the time and the H200's measured dense bf16 matmul rate) and the
+counts them for our models, over the time and a measured dense bf16 matmul rate, `PEAK_TFLOPS`) and the
 provider's own peak memory (its weights + inputs + the step's extra peak).
 """
 
@@ -62,7 +62,8 @@ MODES = ("fwd", "fwd_bwd")
 # ours 2.8%, transformers 3.4%), so two bf16 gradients cannot check each other; gradient
 # correctness is tested in fp32 against transformers in tests/models. The bf16 losses agreed to 7e-5.
 TOLERANCE = {"ours": 1e-3, "veomni": 0.0, "hf": 1e-3}
-# Dense bf16 matmul rate measured on an H200 (~790 TFLOP/s; verl's peak table says 989), the MFU denominator.
+# The MFU denominator: the dense bf16 matmul rate the benchmark GPU reaches, below the datasheet peak in
+# verl's table (docs/benchmarking.md, MFU; BENCHMARKS.md).
 PEAK_TFLOPS = 790.0
 
 
@@ -106,7 +107,7 @@ def unavailable(provider: str) -> str | None:
 
 def allow_fla_backward_on_hopper() -> None:
     # fla 0.6 refuses its GDN backward on Hopper with Triton 3.4-3.7.0 (its own guard against a Triton
-    # miscompile); its gradients matched the fp32 reference at K=128 on an H200.
+    # miscompile); its gradients match the fp32 reference at K=128 (the bench's check).
     if importlib.util.find_spec("fla") is not None:
         import fla.ops.common.chunk_o as fla_chunk_o
 
@@ -118,7 +119,7 @@ def build_hf(config, state: dict, device):
     from transformers import Qwen3_5MoeForCausalLM
 
     config._attn_implementation = "sdpa"
-    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (eager: ~40x slower)
+    config._experts_implementation = "grouped_mm"  # transformers' fastest expert path (eager loops over experts)
     model = Qwen3_5MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     model.load_state_dict(state, strict=True)
     return model

@@ -163,7 +163,7 @@ class GenerationEngine:
         self.max_positions = max_positions
         self.max_num_seqs, self.sync_every = max_num_seqs, sync_every
         self.device = self.decoder.device
-        if device_graphs is None:  # where captures were checked against the eager step (tests on an H200)
+        if device_graphs is None:  # the devices and dtypes tests/engines/test_decode_graphs.py covers
             device_graphs = self.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
         self.graphs = StepGraphs(self.decoder) if device_graphs else None
         self.draw = model.ops.sampling  # the op that samples rows without filters (the model resolved it)

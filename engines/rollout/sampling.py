@@ -14,7 +14,7 @@ was drawn from):
    argmax, the others draw from it by inverting
    its CDF at a number of the request's own stream (`stream_uniform`), so what a row draws does not
    depend on the other rows. Streams are counter-based hashes rather than torch generators: one
-   batched draw for all rows (a generator per row costs ~0.16 ms per row on a GPU), computed on the
+   batched draw for all rows (a generator per row costs host work per row on a GPU), computed on the
    device (the op `sampling.uniforms`: splitmix64, the same numbers as the host's `stream_uniform`)
    and the same numbers on every device.
 Every per-row setting is a tensor (`SamplingRows`), so a decode step samples with no host round-trip.

@@ -28,14 +28,14 @@ from .reference import check_attention_inputs
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # Mean packed length from which CUDA runs one SDPA call per sequence instead (cuDNN's attention, what
-# SDPA picks on Hopper): at K=256 FlashAttention-2 is slower on long sequences (H200, H16/HKV2, bf16,
-# fwd+bwd, 16384 tokens: one sequence flash varlen 28.9 ms vs per-sequence SDPA 19.2 ms; 16 sequences
-# 4.9 vs 13.5 ms; 64 sequences 2.1 vs 37.9 ms). The crossover between 1024 and 16384 is not measured.
+# SDPA picks on Hopper): at K=256 FlashAttention-2 is slower on long sequences and faster on many short
+# ones (docs/ops.md, attention; results/ops_attention.json). The crossover between 1024 and 16384 is not
+# measured.
 LONG_SEQUENCE = 4096
 # The long-sequence SDPA's backend order: cuDNN takes the HKV key/value heads as they are (enable_gqa),
-# as fast as on K/V repeated to H heads, for 0.44 GiB less (fwd+bwd, 32,768 tokens, H16/HKV2/K256 bf16
-# on the H200: 71.2 vs 72.0 ms, +1.32 vs +1.75 GiB; benchmarks/attention_memory.py); flash takes
-# GQA too but is 1.6x slower there; the rest for what both refuse (e.g. cuDNN under deterministic mode).
+# as fast as on K/V repeated to H heads and with less memory (docs/ops.md, attention;
+# benchmarks/attention_memory.py); flash takes GQA too but is slower there; the rest for what both refuse
+# (e.g. cuDNN under deterministic mode).
 LONG_SEQUENCE_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,

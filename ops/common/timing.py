@@ -26,7 +26,7 @@ def kernel_ms(fn, reps: int) -> float:
     """Device time in ms per call of `fn`: the sum of its kernels' durations under the torch profiler
     (CUDA only; NaN elsewhere). Unlike `time_ms` it leaves out the host's launch and autograd path,
     which dominates sub-millisecond ops timed alone but overlaps the GPU's work inside a training
-    step (the step's profile is ~94% GPU-busy)."""
+    step (where the GPU is busy nearly all the time)."""
     if device.device_type() != "cuda":
         return float("nan")
     from torch.profiler import ProfilerActivity, profile

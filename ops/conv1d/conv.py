@@ -36,7 +36,7 @@ from ..varlen import HostOffsets
 from .reference import check_conv1d_inputs
 
 # First configs: what the interpreter, fp32 inputs and deterministic mode run. Registers per thread
-# from a static sm_90 build at C = 8192, W = 4 (this machine's Triton; the device's may differ), bf16,
+# from a static sm_90 build at C = 8192, W = 4 (another Triton version may allocate otherwise), bf16,
 # none spilling: forward 56-85; its first config also builds without spills for fp32 (102).
 FWD_CONFIGS = [
     {"BT": 32, "BC": 128, "num_warps": 8, "num_stages": 1},
@@ -49,7 +49,7 @@ FWD_CONFIGS = [
 # Backward kernels: tiles short in rows and wide in channels, BC = 8 x 32 x num_warps, so that (bf16)
 # each thread holds all BT rows of 8 channels: 16-byte loads, and the row sums of dweight stay in
 # registers (no shared memory, no barrier in the row loop). Static sm_90 builds at C = 8192, W = 4
-# (this machine's Triton 3.6), registers per thread bf16 / fp32, none spilling:
+# (Triton 3.6), registers per thread bf16 / fp32, none spilling:
 # dz 128/168, 128/168, 157/174, 84/120, 86/134; dx 100/105, 151/188, 106/102, 151/188, 100/105, 64/64.
 # (BT = 4 dz tiles take 237 registers in bf16 and spill in fp32.)
 BWD_DZ_CONFIGS = [
@@ -74,7 +74,7 @@ assert all(MIN_GROUP_ROWS % c["BT"] == 0 for c in BWD_DZ_CONFIGS + BWD_DX_CONFIG
 # Rows per dx-kernel program (no partials there, so short: ~1000 programs at 8192 x 8192).
 DX_GROUP_ROWS = MIN_GROUP_ROWS
 # Programs aimed at for the dz kernel (rows walked serially per program): ~4 per SM of a 132-SM
-# H200 at the nominal 1024-channel tile (the first config's 128 registers let 4 share an SM), while
+# GPU at the nominal 1024-channel tile (the first config's 128 registers let 4 share an SM), while
 # the fp32 dweight partials [n_groups, C, W] stay small: 8 MiB, ~4% of the kernel's traffic, at
 # 8192 x 8192 (64 groups of 128 rows).
 TARGET_DZ_PROGRAMS = 512

@@ -3,7 +3,7 @@
 Stages (chunk = 64 tokens; see each module): l2norm (optional) -> solve (gate, cumsum,
 Ai = (I + A)^-1) -> wy (w, Ai diag(beta)) -> state (sequential over chunks; u = Ai beta v) -> output. The
 backward recomputes w (one cheap parallel pass) but keeps the forward's per-chunk states h and
-v_new: recomputing them is a second sequential pass, ~10% of fwd+bwd at 16K tokens, while keeping
+v_new: recomputing them is a second sequential pass (its share of fwd+bwd: docs/ops.md, gdn), while keeping
 them costs T * HV * (K + 4V) bytes per layer between forward and backward at bf16 (h in the input
 dtype, v_new in fp32; 256 + 256 MiB at T=16384, HV=32, K=V=128, about twice the q/k/v inputs).
 Then output_bwd_dv -> state_bwd (reverse) -> output_bwd -> wy_bwd -> the q/k epilogue. Every

@@ -22,8 +22,8 @@ from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 # (8 warps at >128 registers; its 4-warp builds spill) and its V loops do pipeline, so it gets one
 # 1-stage candidate for the search. Its BKB=128 candidates (one K block: ds summed in the block's own
 # V loop, each of vn / do / h / dh read once) spill 216 B (2 stages) / 40 B (1 stage) where BKB=64
-# does not, but read half the bytes; on the H200 (Triton 3.6) the search picked BKB=128, BV=32, 2 stages
-# (1.39 against 1.53 ms at B1-T16384).
+# does not, but read half the bytes; the GDN bench's search settles on BKB=128, BV=32, 2 stages despite
+# the spill (docs/ops.md, gdn).
 # Output fwd: one program per (chunk, q/k head) loops over the HV // H value heads and the V blocks, so
 # 2 stages do pipeline its h / v_new loads. Static sm_90 compile at Qwen3.5 shapes (bf16, tf32), none
 # spills: BV=64 4 warps 233 registers 72 KB (2 CTAs/SM), 1 stage 250 / 16 KB (2); BV=32 234 / 36 KB

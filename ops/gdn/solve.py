@@ -77,7 +77,7 @@ def _gdn_unit_lower_inverse4(b_A0, b_A1, b_A2, b_A3, BC: tl.constexpr, DOT_PREC:
     for i in range(2, BC):
         m_i = (o_c == i)[:, None]
         # A_i N as a one-row tl.dot: a row reduction would serialise on shuffles on GPUs and
-        # costs ~1 ms per call in the Triton interpreter.
+        # is far slower in the Triton interpreter.
         b_r0 = tl.dot(tl.where(m_i, b_A0, 0.0), b_N0, input_precision=DOT_PREC)
         b_r1 = tl.dot(tl.where(m_i, b_A1, 0.0), b_N1, input_precision=DOT_PREC)
         b_r2 = tl.dot(tl.where(m_i, b_A2, 0.0), b_N2, input_precision=DOT_PREC)

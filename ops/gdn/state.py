@@ -12,7 +12,7 @@ State and accumulation in fp32; stored per-chunk states in the input dtype. u an
 output's own (measured with fp64 emulation at Qwen3.5 shapes). u is formed here from two loaded 16-bit
 tiles (Ai diag(beta) from `wy.py`, and v), which go to the tensor cores without passing through
 registers: an fp32 u formed by another kernel costs its 4-byte write and read, and a u formed here from
-fp32 operands computed in registers lengthened this sequential pass (0.72 against 0.32 ms at B1-T16384).
+fp32 operands computed in registers more than doubled this sequential pass (docs/ops.md, gdn).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import triton.language as tl
 from .common import _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
 
-# The state kernels run one program per (sequence, value head, V block): at B=1, HV=32, BV=16 fills
-# two programs per H200 multiprocessor, BV=32 one. Static sm_90 compile (Triton 3.9, Qwen3.5 shapes),
-# forward: none spills; 4 warps BV=16/32/64 take 132/168/244 registers (BV=32 at 3 stages 190), 8 warps
-# BV=32/64 155/211. Run 6 (H200) picked BV=32, 4 warps, 3 stages for both directions.
+# The state kernels run one program per (sequence, value head, V block): at B=1, HV=32, BV=16 gives
+# about two programs per multiprocessor of a 132-SM GPU, BV=32 one. Static sm_90 compile (Triton 3.9,
+# Qwen3.5 shapes), forward: none spills; 4 warps BV=16/32/64 take 132/168/244 registers (BV=32 at 3
+# stages 190), 8 warps BV=32/64 155/211. The autotuner chooses per device; at Qwen3.5 shapes the GDN
+# bench's search settles on BV=32, 4 warps, 3 stages for both directions (docs/ops.md, gdn).
 STATE_CONFIGS = [
     {"BV": 32, "num_warps": 4, "num_stages": 2},
     {"BV": 16, "num_warps": 4, "num_stages": 2},

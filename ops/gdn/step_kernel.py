@@ -10,8 +10,8 @@ import triton.language as tl
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
 from .step import check_gdn_step_inputs
 
-# First: the best at a decode step's shape (H200, 256 x 32 heads x 128 x 128: 4.0 TB/s of state traffic;
-# BV 32 / 2 warps 3.7, BV 16 / 1 warp 2.9). It alone runs with an active mask (see the launch).
+# First: the fastest at a decode step's shape (256 rows x 32 heads x 128 x 128), the others slower in
+# the order listed (docs/ops.md, decode steps). It alone runs with an active mask (see the launch).
 STEP_CONFIGS = [
     {"BV": 64, "num_warps": 4},
     {"BV": 32, "num_warps": 2},
@@ -130,7 +130,7 @@ def gated_delta_rule_step_triton(
     launch(
         _gdn_step_fwd_kernel,
         # a search would time whatever mask the first call brings: a graph capture warms up with every row
-        # inactive (no stores), where the smallest tile wins and then runs the real steps ~30% slower
+        # inactive (no stores), where the smallest tile wins and then runs the real steps slower
         STEP_CONFIGS[:1] if active is not None else STEP_CONFIGS,
         ["H", "HV", "K", "V"],
         _step_grid,

@@ -16,8 +16,9 @@ import triton.language as tl
 from .common import _gdn_chunk_coords, _gdn_decay, _gdn_load_ai, _gdn_rstd
 from .launch import BT, MAX_SHAPES, ChunkPlan, cdiv, grid_1d, launch, next_pow2
 
-# WY fwd (w and Ai diag(beta)): Run 6 (H200) picked 4 warps, 1 stage, 0.107 ms at B1-T16384. Static sm_90
-# compile: 75 / 154 registers at 8 / 4 warps, no spills.
+# WY fwd (w and Ai diag(beta)): the autotuner chooses per device; at Qwen3.5 shapes the GDN bench's search
+# settles on 4 warps with 1 stage (docs/ops.md, gdn). Static sm_90 compile: 75 / 154 registers at 8 / 4
+# warps, no spills.
 W_CONFIGS = [{"num_warps": 8}, {"num_warps": 4}, {"num_warps": 4, "num_stages": 1}]
 # WY bwd: BV=64 at 8 warps does not spill (sm_90, Triton 3.9); the others do (4 warps: ~290 B) and are
 # left to the autotuner, as register allocation differs between Triton versions.

@@ -27,7 +27,7 @@ CASES.append({"id": "tiny-T64-D64-E16-top4", "T": 64, "D": 64, "E": 16, "topk": 
 PROVIDERS: tuple[str, ...] = ("triton", "torch", "transformers")
 REFERENCE = "torch"
 MODES = ("fwd", "fwd_bwd")
-# triton: the same fp32 math in another summation order (logits 2.1e-6, weights 1.6e-6 on the H200):
+# triton: the same fp32 math in another summation order (logits 2.1e-6, weights 1.6e-6 on a GPU):
 # a near-tied token whose 8th and 9th experts swap sends its gradient to another logit, d_hidden and
 # d_gate_weight 1.1e-2 at T=16384 (about one such token: sqrt(2 / 16384)); 0.05 leaves room for a few.
 # transformers: bf16 logits (rel RMS 1.7e-3 at T=8192 on CPU) flip many near ties: the weights barely

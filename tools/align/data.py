@@ -101,7 +101,7 @@ _TINY_Q3 = dict(
     norm_topk_prob=True,
     initializer_range=0.05,
 )
-_MID_Q3 = dict(  # ~0.7B parameters: fits fp64 + Adam on one H200
+_MID_Q3 = dict(  # ~0.7B parameters: fits fp64 + Adam on one 141 GB GPU
     vocab_size=32000,
     hidden_size=1024,
     num_hidden_layers=12,
@@ -136,7 +136,7 @@ _TINY_Q35_VL = dict(  # placeholder ids at the top of the vocabulary: the stream
     vision_start_token_id=508,
     vision_end_token_id=509,
 )
-_MID_Q35 = dict(  # ~0.5B parameters (experts 0.40B): fp64 + Adam and three bf16 backends share one H200
+_MID_Q35 = dict(  # ~0.5B parameters (experts 0.40B): fp64 + Adam and three bf16 backends share one 141 GB GPU
     vocab_size=32000,  # documented smaller vocabulary (the released models have 248k); the stream is random ids
     hidden_size=1024,
     num_hidden_layers=8,  # 6 GatedDeltaNet + 2 full attention (full_attention_interval 4, as released)
@@ -173,7 +173,7 @@ PRESETS: dict[str, Preset] = {
             needs_gpu=True,
             world_size=1,
         ),
-        Preset(  # sized so K=40 GRPO steps of four backends sharing one H200 take under 10 minutes
+        Preset(  # sized so K=40 GRPO steps of four backends sharing one 141 GB GPU fit a 10-minute job
             "mid-qwen3.5-moe",
             "qwen3_5_moe",
             _MID_Q35,
