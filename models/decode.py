@@ -140,9 +140,13 @@ class MoeDecoder:
         for layer in self.model.model.layers:
             if layer.layer_type == "linear_attention":
                 gdn = layer.linear_attn
-                conv = torch.zeros(num_slots, gdn.conv1d.weight.shape[0], gdn.conv1d.weight.shape[-1] - 1)
-                rec = torch.zeros(num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=self._state_dtype)
-                layers.append(LinearCache(conv.to(self.device, self.dtype), rec.to(self.device)))
+                # zeroed where they live: a host buffer copied over would cost a rollout waking from sleep
+                # (hundreds of MB of recurrent state per layer at 256 slots) a host fill and a transfer
+                conv_shape = (num_slots, gdn.conv1d.weight.shape[0], gdn.conv1d.weight.shape[-1] - 1)
+                conv = torch.zeros(conv_shape, dtype=self.dtype, device=self.device)
+                rec_shape = (num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+                rec = torch.zeros(rec_shape, dtype=self._state_dtype, device=self.device)
+                layers.append(LinearCache(conv, rec))
             else:
                 attn = layer.self_attn
                 shape = (num_slots, attn.num_kv_heads, capacity, attn.head_dim)

@@ -392,7 +392,7 @@ def exact_section(reports: list[tuple[str, dict]]) -> str:
     header += ["train tokens", "peak GiB"]
     rows = []
     for _, rep in reports:
-        for r in rep["records"]:
+        for r in (r for r in rep["records"] if r["mode"] in ("fast", "exact")):
             decode, train = num(r["decode_step_ms"], 3), num(r["train_step_ms"], 4)
             if "decode_ratio" in r:
                 decode, train = f"{decode} ({num(r['decode_ratio'], 3)}x)", f"{train} ({num(r['train_ratio'], 3)}x)"
@@ -409,7 +409,40 @@ def exact_section(reports: list[tuple[str, dict]]) -> str:
                     num(r["peak_GiB"], 3),
                 ]
             )
-    return table(header, rows, right=set(range(1, len(header)))) + "\n\n" + footer(reports)
+    table_md = table(header, rows, right=set(range(1, len(header))))
+    ablation = [r for _, rep in reports for r in rep["records"] if r["mode"] == "ablation"]
+    if ablation:
+        table_md += "\n\n" + ablation_table(ablation)
+    return table_md + "\n\n" + footer(reports)
+
+
+def ablation_table(records: list[dict]) -> str:
+    """Fast mode's rollout-vs-trainer mismatch by op: the fast model with one op group exact, the exact model with
+    one op group fast (`exact_bench._ablation`)."""
+    by = {(r["op"], r["direction"]): r for r in records}
+    fast, exact = by[("all", "fast")], by[("all", "exact")]
+    lines = [
+        f"Where fast mode's mismatch comes from ({fast['requests']} of the requests, {fast['tokens']} response "
+        f"tokens; all fast: mean {num(fast['mean_abs_logprob_diff'], 3)}, max {num(fast['max_abs_logprob_diff'], 3)}; "
+        f"all exact: {exact['mismatched_tokens']} tokens differ):",
+        "",
+    ]
+    header = ["op", "only this op exact: mean abs Δ", "max abs Δ", "only this op fast: mean abs Δ", "max abs Δ"]
+    header.append("only this op fast: tokens differing")
+    rows = []
+    for op in dict.fromkeys(r["op"] for r in records if r["op"] != "all"):
+        one_exact, one_fast = by[(op, "exact_only")], by[(op, "fast_only")]
+        rows.append(
+            [
+                op,
+                num(one_exact["mean_abs_logprob_diff"], 3),
+                num(one_exact["max_abs_logprob_diff"], 3),
+                num(one_fast["mean_abs_logprob_diff"], 3),
+                num(one_fast["max_abs_logprob_diff"], 3),
+                str(one_fast["mismatched_tokens"]),
+            ]
+        )
+    return "\n".join(lines) + table(header, rows, right=set(range(1, len(header))))
 
 
 def align_section(name: str, rep: dict) -> str:

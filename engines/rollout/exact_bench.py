@@ -17,10 +17,17 @@ Requests shaped like an RL step (`rl_requests`): `requests` prompts of uniform r
 
 Records carry `mode`, `requests`, `tokens` (response tokens compared) and the fields above; the exact record
 also `decode_ratio` and `train_ratio` (exact over fast).
+
+Then, on the first `ablation_requests` requests, where fast mode's mismatch comes from (`mode` "ablation",
+one fresh engine and the trainer's packing per record): the model all fast and all exact, then per op group
+(`OP_GROUPS`) the fast model with only that group exact (`direction` "exact_only") and the exact model with
+only that group fast ("fast_only"); each with `mean_abs_logprob_diff`, `max_abs_logprob_diff`,
+`mismatched_tokens`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -29,6 +36,21 @@ from ...ops import device as devices
 from .bench import _synced, generate_fresh, rl_requests
 
 MODES = ("fast", "exact")
+# the ResolvedOps fields of each op as the ablation switches it (the rollout's and the trainer's paths of an op
+# together); "logprob" is the trainer's log-prob head
+OP_GROUPS = {
+    "linear": ("linear",),
+    "logits": ("logits",),
+    "norm": ("norm",),
+    "rope": ("rope",),
+    "attention": ("attention", "attention_decode", "attention_cached"),
+    "gdn": ("gdn", "gdn_step"),
+    "conv1d": ("conv1d", "conv1d_step"),
+    "router": ("router",),
+    "experts": ("experts",),
+    "sampling": ("sampling",),
+    "logprob": (),
+}
 
 
 def use_ops(model, ops) -> None:
@@ -84,6 +106,49 @@ def _trainer_log_probs(model, head, sequences, groups, dev) -> list[torch.Tensor
     return [out[n] for n in range(len(sequences))]
 
 
+def _mismatch(model, head, reqs, micro_batch_tokens: int, dev) -> tuple[dict, list, list]:
+    """A fresh engine generates `reqs`; the trainer's log-probs of the same sequences, packed into micro-batches
+    of at most `micro_batch_tokens`, against the rollout's: (the diff fields, sequences, micro-batches)."""
+    completions = generate_fresh(model, reqs, graphs=dev.type == "cuda")["done"]
+    sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
+    groups = _micro_batches([len(s) for s in sequences], micro_batch_tokens)
+    trainer = _trainer_log_probs(model, head, sequences, groups, dev)
+    diffs = torch.cat(
+        [
+            (lp[len(r.prompt_ids) - 1 :] - torch.tensor(c.log_probs, dtype=torch.float32)).abs()
+            for r, c, lp in zip(reqs, completions, trainer)
+        ]
+    )
+    fields = {
+        "requests": len(reqs),
+        "tokens": diffs.numel(),
+        "max_abs_logprob_diff": diffs.max().item(),
+        "mean_abs_logprob_diff": diffs.mean().item(),
+        "mismatched_tokens": int((diffs != 0).sum()),
+    }
+    return fields, sequences, groups
+
+
+def _ablation(model, fast_ops, exact_ops, reqs, micro_batch_tokens: int, dev) -> list[dict]:
+    """Fast mode's mismatch taken apart by op group (see the module docstring)."""
+    from ...ops.logprob import logprob_head
+
+    heads = {"fast": logprob_head(), "exact": logprob_head("exact")}
+    runs = [("all", "fast", fast_ops, "fast"), ("all", "exact", exact_ops, "exact")]
+    for op, fields in OP_GROUPS.items():
+        exact_only = dataclasses.replace(fast_ops, **{f: getattr(exact_ops, f) for f in fields})
+        fast_only = dataclasses.replace(exact_ops, **{f: getattr(fast_ops, f) for f in fields})
+        runs.append((op, "exact_only", exact_only, "exact" if op == "logprob" else "fast"))
+        runs.append((op, "fast_only", fast_only, "fast" if op == "logprob" else "exact"))
+    records = []
+    for op, direction, ops, head in runs:
+        use_ops(model, ops)
+        fields, _, _ = _mismatch(model, heads[head], reqs, micro_batch_tokens, dev)
+        records.append({"mode": "ablation", "op": op, "direction": direction, **fields})
+    use_ops(model, fast_ops)
+    return records
+
+
 def _train_step_s(model, head, sequences, group, dev) -> float:
     ids, pos, cu, cu_cpu, labels = _packed(sequences, group, dev)
     inv_t = torch.ones(labels.shape[0], device=dev)
@@ -102,6 +167,7 @@ def run(
     requests: int = 256,
     layers: int = 4,
     micro_batch_tokens: int = 16384,
+    ablation_requests: int = 64,
     on_record: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Both modes on the reduced model; one record per mode (see the module docstring).
@@ -130,25 +196,13 @@ def run(
         devices.empty_cache()
         devices.reset_peak_memory_stats()
         cold_s, _ = _seconds(_generate, model, reqs)
-        prefill_s, decode_s, completions = _generate(model, reqs)
-        sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
-        groups = _micro_batches([len(s) for s in sequences], micro_batch_tokens)
-        trainer = _trainer_log_probs(model, head, sequences, groups, dev)
-        diffs = torch.cat(
-            [
-                (lp[len(r.prompt_ids) - 1 :] - torch.tensor(c.log_probs, dtype=torch.float32)).abs()
-                for r, c, lp in zip(reqs, completions, trainer)
-            ]
-        )
+        prefill_s, decode_s, _ = _generate(model, reqs)
+        fields, sequences, groups = _mismatch(model, head, reqs, micro_batch_tokens, dev)
         steps = max(r.params.max_tokens for r in reqs) - 1
         record = {
             "mode": mode,
-            "requests": len(reqs),
             "layers": layers,
-            "tokens": diffs.numel(),
-            "max_abs_logprob_diff": diffs.max().item(),
-            "mean_abs_logprob_diff": diffs.mean().item(),
-            "mismatched_tokens": int((diffs != 0).sum()),
+            **fields,
             "cold_generate_s": cold_s,
             "prefill_s": prefill_s,
             "decode_s": decode_s,
@@ -165,7 +219,12 @@ def run(
         if on_record:
             on_record(records)
     use_ops(model, fast_ops)
+    if ablation_requests:
+        for record in _ablation(model, fast_ops, exact_ops, reqs[:ablation_requests], micro_batch_tokens, dev):
+            records.append({**record, "layers": layers})
+            if on_record:
+                on_record(records)
     return records
 
 
-__all__ = ["MODES", "run", "use_ops"]
+__all__ = ["MODES", "OP_GROUPS", "run", "use_ops"]
