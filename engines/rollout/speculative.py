@@ -1,0 +1,379 @@
+"""Speculative decoding with Qwen3.5's MTP layer: a separate, eager decoding path beside `GenerationEngine`.
+
+Each round, for every running request (slot), batched over the requests:
+
+1. draft: the MTP layer (`models/mtp_decode.py::MtpDrafter`, its own KV cache) first catches up on the
+   positions the main model consumed since the last round (main hidden state at s, token s+1), whose last
+   output, through the shared lm_head, drafts d_1; its output at the draft's position and d_1's embedding
+   draft d_2, and so on up to k tokens (fewer near max_tokens). Draft tokens are drawn from the MTP
+   layer's distribution q at the request's temperature (argmax for greedy requests);
+2. verify: one forward of the main model over the k + 1 positions (the token sampled last, then the
+   drafts), continuing the slot (`extend_hidden`), gives the target distributions p_0 .. p_k;
+3. accept (`accept_drafts`): d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection
+   the round's last token is drawn from normalize(max(0, p - q)); when all k are kept, a bonus token from
+   p_k. So every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023,
+   Chen et al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the
+   target's argmax otherwise: the target's greedy tokens;
+4. commit: after a rejection at draft j the slots' GatedDeltaNet conv and recurrent states and lengths
+   are restored from the copy taken before the verification and the main model runs again over the
+   j + 1 kept positions (attention caches past a slot's length are never read), so the state holds the
+   accepted tokens only.
+
+Every random draw of a request (its first token, drafts, acceptance numbers, residual and bonus tokens)
+comes from a `torch.Generator` of its own, seeded by its `seed` or, without one, by the stream key
+`GenerationEngine` gives it (`stream_seed`): the same request gives the same tokens. The log-prob of each
+emitted token is the target's, log_softmax(logits / temperature) in fp32 (temperature 1 for greedy
+requests), as the engine returns them. Sampling settings beyond temperature (top-k, top-p, min-p,
+repetition penalty, min_tokens) are refused: the rule would need their processed q and p.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...models import MoeCausalLM
+from ...models.decode import MoeDecoder, SlotState
+from ...models.mtp_decode import MtpCache, MtpDrafter, extend_hidden, load_linear_state, save_linear_state
+from .engine import Completion, Request, check_prompt
+from .sampling import SamplingParams, stream_seed
+
+
+def accept_drafts(
+    target: torch.Tensor, draft: torch.Tensor, drafts: Sequence[int], generator: torch.Generator
+) -> tuple[int, int]:
+    """The speculative sampling rule for one request's round.
+
+    Args:
+        target: [k+1, VOCAB] fp64 probabilities p_0 .. p_k (p_i: the target's distribution of the token
+            after the i-th verified position); draft: [k, VOCAB] fp64 q_1 .. q_k, each d_i's draft
+            distribution; drafts: the k drafted tokens; generator: the request's (CPU).
+    Returns:
+        (accepted j in [0, k], the round's last token: drawn from normalize(max(0, p_j - q_{j+1})) after a
+        rejection, from p_k when all k were kept).
+    """
+    k = len(drafts)
+    for i, d in enumerate(drafts):
+        u = torch.rand((), dtype=torch.float64, generator=generator)
+        if u * draft[i, d] < target[i, d]:  # probability min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
+            continue
+        residual = (target[i] - draft[i]).clamp_min(0)
+        if not residual.sum() > 0:  # p == q to rounding: nothing to correct
+            residual = target[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return k, int(torch.multinomial(target[k], 1, generator=generator))
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int]) -> tuple[int, int]:
+    """The rule at temperature 0: target_logits [k+1, VOCAB]; drafts are kept while each equals the target's
+    argmax (the first one, as the sampler takes it); the round ends with the target's argmax."""
+    best = target_logits.float().argmax(-1).tolist()
+    for i, d in enumerate(drafts):
+        if d != best[i]:
+            return i, best[i]
+    return len(drafts), best[len(drafts)]
+
+
+@dataclass
+class _Seq:
+    request: Request
+    slot: int
+    generator: torch.Generator | None  # None: greedy
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    # what the MTP layer has not seen yet: per position from `mtp_start` on, the main hidden state there and
+    # the token after it (its last entry: the token sampled last, which the main model consumes next)
+    pending_hidden: torch.Tensor | None = None
+    pending_tokens: list[int] = field(default_factory=list)
+    mtp_start: int = 0
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts since the engine was built: rounds run, draft tokens proposed and kept over all requests."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+_UNSUPPORTED = (
+    ("top_k", lambda p: p.top_k > 0),
+    ("top_p", lambda p: p.top_p < 1.0),
+    ("min_p", lambda p: p.min_p > 0.0),
+    ("repetition_penalty", lambda p: p.repetition_penalty != 1.0),
+    ("min_tokens", lambda p: p.min_tokens > 0),
+)
+
+
+class SpeculativeEngine:
+    """Generate with MTP drafts verified by the main model (the module docstring gives the rule).
+
+    Args:
+        model: a local MoeCausalLM with MTP layers (`mtp_num_hidden_layers` > 0).
+        eos_token_ids: tokens that end a request (unless its `ignore_eos`).
+        num_draft_tokens: k, draft tokens per round (>= 1).
+        seed, weights_version: keys of the generators of requests without their own seed (as
+            `GenerationEngine` keys its streams).
+    Raises:
+        ValueError: a model without MTP layers, or k < 1.
+    """
+
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        eos_token_ids: Iterable[int],
+        num_draft_tokens: int = 2,
+        seed: int = 0,
+        weights_version: int = 0,
+    ):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.model, self.k = model, num_draft_tokens
+        self.decoder = MoeDecoder(model)
+        self.drafter = MtpDrafter(self.decoder)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.seed, self.weights_version = seed, weights_version
+        self.stats = SpeculativeStats()
+        self.last_round: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) of the last round
+        self._copies: Counter[tuple] = Counter()
+        self._seqs: list[_Seq | None] = []
+        self.state: SlotState | None = None
+        self.mtp_cache: MtpCache | None = None
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._seqs)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Run `requests` to completion; completions in the order of `requests`."""
+        done = {c.request_id: c for c in self.add(requests)}
+        while self.num_running:
+            done.update((c.request_id, c) for c in self.step())
+        return [done[r.request_id] for r in requests]
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[Request]) -> list[Completion]:
+        """Prefill `requests` into free slots and sample their first tokens; returns those already finished.
+
+        Raises:
+            ValueError: a bad prompt, a duplicate request id, or a sampling setting this path does not
+                implement (named). Nothing is admitted then.
+        """
+        if not requests:
+            return []
+        self._check(requests)
+        slots = self._take_slots(requests)
+        self.state.lengths[torch.tensor(slots, device=self.decoder.device)] = 0
+        seqs = [_Seq(r, i, self._generator(r)) for r, i in zip(requests, slots)]
+        hidden = extend_hidden(self.decoder, [list(r.prompt_ids) for r in requests], self.state, slots)
+        ends = torch.tensor([len(r.prompt_ids) for r in requests]).cumsum(0) - 1
+        logits = self.model.logits(hidden[ends.to(hidden.device)])
+        for n, s in enumerate(seqs):
+            self._seqs[s.slot] = s
+            x, lp = self._first_token(logits[n], s)
+            begin = int(ends[n]) + 1 - len(s.request.prompt_ids)
+            s.pending_hidden = hidden[begin : int(ends[n]) + 1]
+            s.pending_tokens = list(s.request.prompt_ids[1:]) + [x]
+            self._emit(s, [x], [lp])
+        return self._collect(slots)
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """One round for every running request: draft, verify, accept, commit. Returns those that finished."""
+        seqs = [s for s in self._seqs if s is not None]
+        if not seqs:
+            return []
+        ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
+        drafts, draft_probs = self._draft(seqs, ks)
+        slots = [s.slot for s in seqs]
+        saved = save_linear_state(self.state, slots)
+        chunks = [[s.pending_tokens[-1]] + d for s, d in zip(seqs, drafts)]
+        hidden = extend_hidden(self.decoder, chunks, self.state, slots)
+        logits = self.model.logits(hidden).float()
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + len(c))
+        outcomes, redo = [], []
+        for n, s in enumerate(seqs):
+            rows = logits[offsets[n] : offsets[n + 1]]
+            j, y = self._accept(s, rows, drafts[n], draft_probs[n])
+            outcomes.append((j, y))
+            if j < ks[n]:
+                redo.append(n)
+            self.stats.drafted += ks[n]
+            self.stats.accepted += j
+            self.last_round[s.request.request_id] = (ks[n], j)
+        kept = {n: hidden[offsets[n] : offsets[n] + j + 1] for n, (j, _) in enumerate(outcomes)}
+        if redo:  # roll back to before the verification and consume the kept positions only
+            redo_slots = [slots[n] for n in redo]
+            load_linear_state(self.state, saved, redo_slots)
+            kept_chunks = [chunks[n][: outcomes[n][0] + 1] for n in redo]
+            again = extend_hidden(self.decoder, kept_chunks, self.state, redo_slots)
+            at = 0
+            for n in redo:
+                size = outcomes[n][0] + 1
+                kept[n], at = again[at : at + size], at + size
+        for n, s in enumerate(seqs):
+            j, y = outcomes[n]
+            emitted = drafts[n][:j] + [y]
+            scale = 1.0 if s.generator is None else s.request.params.temperature
+            rows = logits[offsets[n] : offsets[n] + j + 1] / scale
+            lps = rows.log_softmax(-1).gather(-1, torch.tensor(emitted, device=rows.device)[:, None])[:, 0]
+            if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
+                s.pending_hidden, s.pending_tokens = kept[n], emitted
+            else:
+                s.pending_hidden = torch.cat([s.pending_hidden, kept[n]])
+                s.pending_tokens = s.pending_tokens + emitted
+            self._emit(s, emitted, lps.tolist())
+        self.stats.rounds += 1
+        return self._collect(slots)
+
+    # ---- rounds ----------------------------------------------------------------------------------
+
+    def _draft(self, seqs: list[_Seq], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ks[n] draft tokens per request and their draft distributions q [ks[n], VOCAB] fp64 (None
+        for greedy requests): the MTP layer's catch-up over the pending positions, then one position
+        per further draft."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        rows = [n for n, k in enumerate(ks) if k > 0]
+        if not rows:
+            return drafts, [None] * len(seqs)
+        sub = [seqs[n] for n in rows]
+        out = self.drafter.forward(
+            torch.cat([s.pending_hidden for s in sub]),
+            [s.pending_tokens for s in sub],
+            self.mtp_cache,
+            [s.slot for s in sub],
+            [s.mtp_start for s in sub],
+        )
+        ends = torch.tensor([len(s.pending_tokens) for s in sub]).cumsum(0) - 1
+        g = out[ends.to(out.device)]  # [R, D] the output at each request's last consumed position
+        for s in sub:
+            s.mtp_start += len(s.pending_tokens)
+        for i in range(max(ks)):
+            logits = self.model.logits(g).float()
+            for r, n in enumerate(rows):
+                d, q = self._draw_draft(seqs[n], logits[r])
+                drafts[n].append(d)
+                probs[n].append(q)
+            live = [r for r, n in enumerate(rows) if ks[n] > i + 1]
+            if not live:
+                break
+            # the layer's output at s stands in for the main hidden state at s + 1 (speculative positions,
+            # written again by the next round's catch-up)
+            g = self.drafter.forward(
+                g[live],
+                [[drafts[rows[r]][i]] for r in live],
+                self.mtp_cache,
+                [seqs[rows[r]].slot for r in live],
+                [seqs[rows[r]].mtp_start + i for r in live],
+            )
+            rows = [rows[r] for r in live]
+        q = [None if s.generator is None or not p else torch.stack(p) for s, p in zip(seqs, probs)]
+        return drafts, q
+
+    def _draw_draft(self, s: _Seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if s.generator is None:
+            return int(logits.argmax()), None
+        q = torch.softmax(logits.double().cpu() / s.request.params.temperature, -1)
+        return int(torch.multinomial(q, 1, generator=s.generator)), q
+
+    def _accept(self, s: _Seq, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> tuple[int, int]:
+        if s.generator is None:
+            return accept_greedy(logits, drafts)
+        p = torch.softmax(logits.double().cpu() / s.request.params.temperature, -1)
+        if q is None:
+            q = p.new_zeros(0, p.shape[1])
+        return accept_drafts(p, q, drafts, s.generator)
+
+    def _first_token(self, logits: torch.Tensor, s: _Seq) -> tuple[int, float]:
+        """The token after the prompt: argmax or a draw of the request's generator; its log-prob."""
+        T = 1.0 if s.generator is None else s.request.params.temperature
+        lp = (logits.float() / T).log_softmax(-1)
+        if s.generator is None:
+            x = int(lp.argmax())
+        else:
+            x = int(torch.multinomial(torch.softmax(logits.double().cpu() / T, -1), 1, generator=s.generator))
+        return x, float(lp[x])
+
+    def _emit(self, s: _Seq, tokens: list[int], log_probs: list[float]) -> None:
+        """Record tokens until one ends the request (a stop id, or max_tokens reached)."""
+        p = s.request.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        for t, lp in zip(tokens, log_probs):
+            s.tokens.append(t)
+            s.log_probs.append(lp)
+            if t in stops:
+                s.finish = "stop"
+            elif len(s.tokens) >= p.max_tokens:
+                s.finish = "length"
+            if s.finish:
+                return
+
+    def _collect(self, slots: Sequence[int]) -> list[Completion]:
+        done = []
+        for i in slots:
+            s = self._seqs[i]
+            if s is not None and s.finish is not None:
+                lps = s.log_probs if s.request.params.logprobs else None
+                done.append(Completion(s.request.request_id, s.tokens, lps, s.finish))
+                self._seqs[i] = None
+        return done
+
+    # ---- slots and requests -----------------------------------------------------------------------
+
+    def _take_slots(self, requests: Sequence[Request]) -> list[int]:
+        """Free slots for `requests`, the slots (and both caches) reallocated when too few or too short."""
+        free = [i for i, s in enumerate(self._seqs) if s is None]
+        need = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        slots = len(self._seqs) + max(0, len(requests) - len(free))
+        if self.state is None:
+            self.state = self.decoder.allocate(slots, need)
+            self.mtp_cache = self.drafter.allocate(slots, need)
+        elif slots > self.state.num_slots or need > self.mtp_cache.capacity:
+            capacity = max(need, self.mtp_cache.capacity)
+            self.state.resize(slots, max(capacity, self.state.capacity or 0))
+            grown = self.drafter.allocate(slots, capacity)
+            old = self.mtp_cache.attention
+            for new, t in ((grown.attention.k, old.k), (grown.attention.v, old.v)):
+                new[: t.shape[0], :, : t.shape[2]] = t
+            self.mtp_cache = grown
+        self._seqs += [None] * (slots - len(self._seqs))
+        return [i for i, s in enumerate(self._seqs) if s is None][: len(requests)]
+
+    def _check(self, requests: Sequence[Request]) -> None:
+        running = {s.request.request_id for s in self._seqs if s is not None}
+        seen: set[str] = set()
+        for r in requests:
+            if r.request_id in running or r.request_id in seen:
+                raise ValueError(f"request {r.request_id!r} is already running or given twice")
+            seen.add(r.request_id)
+            check_prompt(r.prompt_ids, self.model.arch.vocab_size)
+            bad = [name for name, used in _UNSUPPORTED if used(r.params)]
+            if bad:
+                raise ValueError(f"request {r.request_id!r}: speculative decoding does not implement {bad} yet")
+
+    def _generator(self, r: Request) -> torch.Generator | None:
+        params: SamplingParams = r.params
+        if params.greedy:
+            return None
+        if params.seed is not None:
+            stream = params.seed
+        else:
+            copy = (r.prompt_ids, r.sample_key)
+            stream = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
+            self._copies[copy] += 1
+        return torch.Generator().manual_seed(stream)
+
+
+__all__ = ["SpeculativeEngine", "SpeculativeStats", "accept_drafts", "accept_greedy"]

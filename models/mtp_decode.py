@@ -1,0 +1,182 @@
+"""Decoding pieces for speculative decoding with Qwen3.5's MTP layer: the main model over several new tokens
+per slot with every token's hidden state, the MTP layer's own KV cache and its forward over slots, and a
+copy of the slots' recurrent state to roll a verification back.
+
+- `extend_hidden(decoder, chunks, state, slots)`: each slot takes its chunk of tokens, continuing from its
+  length (a packed prefill with starts, `MoeDecoder.prefill`'s walk), and the final normed hidden state of
+  every token comes back (`MoeCausalLM.logits` of it: the logits of every position, what a verification
+  needs; `prefill` keeps only each prompt's last).
+- `MtpDrafter`: the MTP module's depth-1 step over slots. Its layer is a full-attention decoder layer, so its
+  decode state is one KV cache [S, HKV, L, K] (`AttentionCache`). Position s of a slot holds the layer's
+  keys and values for the input (main hidden state at s, embedding of token s+1), as the trainer's
+  `MoeCausalLM.mtp_hidden_states` computes them; `forward` writes the given positions and returns the
+  layer's normed output there (its logits predict token s+2).
+- `save_linear_state` / `load_linear_state`: the lengths and GatedDeltaNet conv and recurrent states of
+  some slots, copied out and written back. Attention caches need no copy: positions at or past a slot's
+  length are never read, and a continued prefill writes them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .decode import AttentionCache, LinearCache, MoeDecoder, SlotState
+
+
+def _packed(chunks: Sequence[Sequence[int]], starts: Sequence[int], device: torch.device):
+    """ids [1, T], positions [1, T], (cu [N+1] int32 on device, its host ints), token_pos [T] of chunks
+    that continue from `starts`."""
+    lengths = [len(c) for c in chunks]
+    cu_cpu = [0]
+    for n in lengths:
+        cu_cpu.append(cu_cpu[-1] + n)
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
+    return ids[None], positions[None], (cu, cu_cpu), positions
+
+
+@torch.no_grad()
+def extend_hidden(
+    decoder: MoeDecoder, chunks: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]
+) -> torch.Tensor:
+    """Feed each slot of `slots` its chunk of tokens, continuing from the slot's length (0: a fresh slot
+    takes its prompt), and advance the slots' state and lengths.
+
+    Args:
+        decoder: the main model's decoder; state: its slots.
+        chunks: N non-empty token-id lists; slots: N distinct slot indices.
+    Returns:
+        [T, D] the final normed hidden state of every fed token, chunks packed in order (T their total).
+    Raises:
+        ValueError: an empty chunk, slots that are not N distinct indices, or a slot past its capacity.
+    """
+    if not chunks or any(len(c) == 0 for c in chunks):
+        raise ValueError("extend needs at least one chunk, each with at least one token")
+    if len(slots) != len(chunks) or len(set(slots)) != len(slots):
+        raise ValueError(f"slots must be {len(chunks)} distinct indices, got {list(slots)}")
+    device = decoder.device
+    slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
+    starts = state.lengths[slot_index].tolist()
+    capacity = state.capacity
+    if capacity is not None and max(s + len(c) for s, c in zip(starts, chunks)) > capacity:
+        raise ValueError(f"a chunk runs past the slots' capacity of {capacity} positions")
+    ids, positions, offsets, token_pos = _packed(chunks, starts, device)
+    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long, device=device)
+    token_slot = slot_index.repeat_interleave(lengths)
+    fresh = not any(starts)
+    text = decoder.model.model
+    hidden = text.embed_tokens(ids)
+    cos, sin = text.rotary(positions, hidden.dtype)
+    caches = iter(state.layers)
+
+    def mixer(layer, x):
+        cache = next(caches)
+        if layer.layer_type == "linear_attention":
+            return layer.linear_attn.prefill(x, offsets, cache, slot_index, None if fresh else starts)
+        at = None if fresh else list(zip(slots, starts))
+        return layer.self_attn.prefill(x, cos, sin, offsets, cache, token_slot, token_pos, at)
+
+    # the decoder's own layer walk, so the residual adds and norms round as in prefill and step
+    hidden, residual = decoder._layers(hidden, mixer)
+    state.lengths[slot_index] += lengths
+    return text.norm(hidden, residual=residual)[0][0]
+
+
+@dataclass
+class MtpCache:
+    """The MTP layer's KV cache of S slots: k, v [S, HKV, L, K] in the model dtype."""
+
+    attention: AttentionCache
+
+    @property
+    def capacity(self) -> int:
+        return self.attention.k.shape[2]
+
+
+class MtpDrafter:
+    """The MTP module's first depth, one decode step per call, over slots of its own KV cache.
+
+    Drafting several tokens repeats this depth (vLLM's rule for Qwen3.5's one MTP layer: depth i uses
+    layer (i - 1) mod n): the layer's output at s stands in for the main hidden state at s + 1. Further MTP
+    layers of a checkpoint are not used.
+    """
+
+    def __init__(self, decoder: MoeDecoder):
+        mtp = getattr(decoder.model, "mtp", None)
+        if mtp is None:
+            raise ValueError(f"{decoder.arch.mtp_num_hidden_layers=}: speculative decoding needs the MTP layer")
+        self.decoder, self.mtp = decoder, mtp
+        self.layer = mtp.layers[0]
+
+    def allocate(self, num_slots: int, capacity: int) -> MtpCache:
+        attn = self.layer.self_attn
+        shape = (num_slots, attn.num_kv_heads, capacity, attn.head_dim)
+        kv = [torch.zeros(shape, dtype=self.decoder.dtype, device=self.decoder.device) for _ in range(2)]
+        return MtpCache(AttentionCache(*kv))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        tokens: Sequence[Sequence[int]],
+        cache: MtpCache,
+        slots: Sequence[int],
+        starts: Sequence[int],
+    ) -> torch.Tensor:
+        """Run the MTP layer at positions starts[n] .. starts[n] + len(tokens[n]) - 1 of each slot.
+
+        Args:
+            hidden: [T, D] per position s, the main model's final hidden state at s (or, drafting further,
+                the MTP output at s - 1), chunks packed in order.
+            tokens: N lists, per position s the token s + 1 (the token sampled or drafted after s).
+            cache: the MTP KV cache; its positions below starts[n] must hold slot slots[n]'s earlier ones.
+            slots, starts: per chunk, its slot and first position.
+        Returns:
+            [T, D] the MTP layer's normed output at each position (logits: `MoeCausalLM.logits`).
+        """
+        device = self.decoder.device
+        if cache.capacity < max(s + len(t) for s, t in zip(starts, tokens)):
+            raise ValueError(f"MTP positions past the cache's capacity of {cache.capacity}")
+        ids, positions, offsets, token_pos = _packed(tokens, starts, device)
+        token_slot = torch.tensor([s for s, t in zip(slots, tokens) for _ in t], dtype=torch.long, device=device)
+        text, mtp, layer = self.decoder.model.model, self.mtp, self.layer
+        embeds = text.embed_tokens(ids)
+        cos, sin = text.rotary(positions, embeds.dtype)
+        # MultiTokenPredictor.forward's depth, with the attention reading and writing the cache
+        x = torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(hidden[None])], dim=-1)
+        x = mtp.fc(x)
+        residual = x
+        x = layer.input_layernorm(x)
+        x = layer.self_attn.prefill(
+            x, cos, sin, offsets, cache.attention, token_slot, token_pos, list(zip(slots, starts))
+        )
+        x, residual = layer.post_attention_layernorm(x, residual=residual)
+        x, _ = layer.mlp(x)
+        return mtp.norm(x, residual=residual)[0][0]
+
+
+def save_linear_state(state: SlotState, slots: Sequence[int]) -> dict[str, object]:
+    """A copy of the lengths and every GatedDeltaNet conv and recurrent state of `slots`."""
+    index = torch.tensor(list(slots), dtype=torch.long, device=state.lengths.device)
+    layers = [(c.conv[index].clone(), c.recurrent[index].clone()) for c in state.layers if isinstance(c, LinearCache)]
+    return {"slots": list(slots), "lengths": state.lengths[index].clone(), "layers": layers}
+
+
+def load_linear_state(state: SlotState, saved: dict[str, object], slots: Sequence[int]) -> None:
+    """Write back the part of `saved` (`save_linear_state`) that belongs to `slots` (a subset of its slots)."""
+    rows = [saved["slots"].index(s) for s in slots]
+    device = state.lengths.device
+    index = torch.tensor(list(slots), dtype=torch.long, device=device)
+    src = torch.tensor(rows, dtype=torch.long, device=device)
+    state.lengths[index] = saved["lengths"][src]
+    linear = [c for c in state.layers if isinstance(c, LinearCache)]
+    for cache, (conv, recurrent) in zip(linear, saved["layers"]):
+        cache.conv[index] = conv[src]
+        cache.recurrent[index] = recurrent[src]
+
+
+__all__ = ["MtpCache", "MtpDrafter", "extend_hidden", "load_linear_state", "save_linear_state"]

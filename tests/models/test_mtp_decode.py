@@ -1,0 +1,69 @@
+"""`models/mtp_decode.py`: the main model fed in chunks with every token's hidden state, the MTP layer's
+decode step over its own KV cache, and the copy / restore of the slots' recurrent state.
+
+Tolerances (fp32, the same ops in another packing):
+| what                                                               | tol (max abs) |
+| extend_hidden in chunks vs one forward of the whole sequence       | 1e-5          |
+| MtpDrafter in chunks vs `MoeCausalLM.mtp_hidden_states`            | 1e-5          |
+| restored state                                                     | bitwise       |
+"""
+
+import pytest
+import torch
+import verl_moe.models as vm
+from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
+from verl_moe.models.decode import LinearCache, MoeDecoder
+from verl_moe.models.mtp_decode import MtpDrafter, extend_hidden, load_linear_state, save_linear_state
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = vm.build(tiny_qwen3_5_moe_text(mtp_num_hidden_layers=1))
+    randomize_norms(m)
+    return m.eval()
+
+
+def test_chunks_equal_one_forward(model):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (1, 13), generator=gen)
+    pos = torch.arange(13)[None]
+    with torch.no_grad():
+        hidden = model(ids, pos).last_hidden_state[0]
+        mtp = model.mtp_hidden_states(hidden[None], ids, pos)[0, 0]
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(3, 16)
+    cuts = [(0, 5), (5, 6), (6, 10), (10, 13)]
+    chunks = [extend_hidden(decoder, [ids[0, a:b].tolist()], state, [2]) for a, b in cuts]
+    assert (torch.cat(chunks) - hidden).abs().max() <= TOL
+    assert state.lengths.tolist() == [0, 0, 13]
+
+    drafter = MtpDrafter(decoder)
+    cache = drafter.allocate(3, 16)
+    # position s: main hidden at s and token s + 1; the last position has no next token in `ids`
+    outs = [drafter.forward(hidden[a:b], [ids[0, a + 1 : b + 1].tolist()], cache, [1], [a]) for a, b in cuts[:3]]
+    outs.append(drafter.forward(hidden[10:12], [ids[0, 11:13].tolist()], cache, [1], [10]))
+    assert (torch.cat(outs) - mtp[:12]).abs().max() <= TOL
+
+
+def test_restore_linear_state(model):
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(2, 16)
+    extend_hidden(decoder, [[3, 4, 5], [6, 7]], state, [0, 1])
+    saved = save_linear_state(state, [0, 1])
+    before = [(c.conv.clone(), c.recurrent.clone()) for c in state.layers if isinstance(c, LinearCache)]
+    extend_hidden(decoder, [[8, 9], [10]], state, [0, 1])
+    load_linear_state(state, saved, [1])
+    assert state.lengths.tolist() == [5, 2]
+    linear = [c for c in state.layers if isinstance(c, LinearCache)]
+    for cache, (conv, recurrent) in zip(linear, before):
+        assert torch.equal(cache.conv[1], conv[1]) and torch.equal(cache.recurrent[1], recurrent[1])
+        assert not torch.equal(cache.recurrent[0], recurrent[0])
+
+
+def test_drafter_needs_mtp_layers():
+    decoder = MoeDecoder(vm.build(tiny_qwen3_5_moe_text()))
+    with pytest.raises(ValueError, match="needs the MTP layer"):
+        MtpDrafter(decoder)
