@@ -9,7 +9,8 @@ sequences, trajectories within a group by their tokens. Trajectories it cannot t
 same tokens in groups of the same tokens, so swapping them changes nothing the trainer computes
 (unless two dataset rows with one prompt carry different per-row data, such as ground truths).
 
-Enable it (sync trainer mode; verl builds custom samplers without `algorithm.filter_groups`):
+Enable it (sync trainer mode; verl builds custom samplers without `algorithm.filter_groups`; the CPU
+recipes do, through `configs/determinism/`):
 
     trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay
     trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer

@@ -104,3 +104,27 @@ def test_bad_recipe_overrides_raise_before_build(overrides, message):
     actor, _ = _actor_and_ref(cfg)
     with pytest.raises(ValueError, match=message):
         validate_actor_config(actor, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+
+
+# recipe -> its `determinism` option (docs/reproducibility.md): what makes two runs log the same metrics
+CPU_DETERMINISM = {
+    "tiny_cpu": "full",
+    "tiny_cpu_veomni": "full",
+    "tiny_cpu_ppo": "full",
+    "tiny_cpu_exact": "ordered",
+    "tiny_cpu_vllm": "none",
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(CPU_DETERMINISM))
+def test_cpu_recipes_repeat_as_written(recipe):
+    """The CPU recipes set the switches that make runs repeat bitwise (tests/engines/test_rollout_repeat.py
+    runs them); `determinism=none` on the command line takes them back out."""
+    level = CPU_DETERMINISM[recipe]
+    for cfg, expected in ((_compose(recipe), level), (_compose(recipe, ["determinism=none"]), "none")):
+        sampler = cfg.trainer.v1.sampler
+        ordered = expected != "none"
+        assert sampler.custom_sampler.path == ("pkg://verl_moe.engines.rollout.replay" if ordered else None)
+        assert sampler.custom_sampler.name == ("ContentOrderedReplayBuffer" if ordered else None)
+        assert sampler.sampler_kwargs.get("poll_interval") == (0.2 if ordered else None)
+        assert cfg.actor_rollout_ref.rollout.full_determinism == (expected == "full")

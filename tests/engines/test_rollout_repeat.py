@@ -1,10 +1,12 @@
-"""Runs repeat: two runs of verl's `main_ppo` with `recipe/tiny_cpu` and the same seed log the same
-metrics at every step, exactly, with verl's `full_determinism` switch on our rollout (sampling
-streams keyed by verl's stable request ids, one request decoding at a time) and the content-ordered
-replay buffer (verl's v1 trainer otherwise takes a batch in the order its trajectories finished).
+"""Runs repeat: two runs of verl's `main_ppo` with `recipe/tiny_cpu` as written and the same seed log the
+same metrics at every step, exactly. The CPU recipes set the switches themselves (`configs/determinism/`,
+docs/reproducibility.md): the content-ordered replay buffer (verl's v1 trainer otherwise takes a batch in
+the order its trajectories finished) and, but in exact mode, verl's `full_determinism` on our rollout
+(sampling streams keyed by verl's stable request ids, one request decoding at a time). The other CPU
+recipes (veomni, PPO, exact) repeat the same check in the slow suite.
 
-The two runs go concurrently (two Ray clusters) to halve the wall time: ~2.7 min on 2 cores, most
-of it process start-up. Only wall-clock and memory readings may differ.
+The two runs go concurrently (two Ray clusters) to halve the wall time, most of it process start-up.
+Only wall-clock and memory readings may differ.
 """
 
 from __future__ import annotations
@@ -24,14 +26,10 @@ from verl_moe.engines.rollout.replay import content_order
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 2
 RUN_TIMEOUT_S = 900
-DETERMINISM = (
-    "actor_rollout_ref.rollout.full_determinism=true",
-    "trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay",
-    "trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer",
-    "+trainer.v1.sampler.sampler_kwargs.poll_interval=0.2",
-)
+# recipe -> extra environment of its runs (exact mode on CPU needs torch's scalar kernels)
+SLOW_RECIPES = {"tiny_cpu_veomni": {}, "tiny_cpu_ppo": {}, "tiny_cpu_exact": {"ATEN_CPU_CAPABILITY": "default"}}
 # seconds and bytes, not results
-WALL_CLOCK = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+WALL_CLOCK = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 
 
 def test_content_order_ignores_arrival_order_and_uids():
@@ -84,12 +82,12 @@ def _toy_rl():
     return module
 
 
-def _start(toy_rl, paths, workdir):
-    command = toy_rl.main_ppo_command("tiny_cpu", paths, STEPS, ["trainer.val_before_train=false", *DETERMINISM])
+def _start(toy_rl, paths, workdir, recipe, env):
+    command = toy_rl.main_ppo_command(recipe, paths, STEPS, ["trainer.val_before_train=false"])
     workdir.mkdir()
     with open(workdir / "main_ppo.log", "w") as out:
         return subprocess.Popen(
-            command, env=toy_rl.main_ppo_env(str(workdir / "metrics.jsonl")), cwd=workdir, stdout=out,
+            command, env={**toy_rl.main_ppo_env(str(workdir / "metrics.jsonl")), **env}, cwd=workdir, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -99,13 +97,11 @@ def _metrics(workdir) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r["data"].items() if not k.startswith(WALL_CLOCK)} for r in rows}
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_two_runs_log_the_same_metrics(tmp_path):
+def _two_runs_log_the_same_metrics(tmp_path, recipe: str, env: dict[str, str]) -> None:
     toy_rl = _toy_rl()
     paths = toy_rl.make(str(tmp_path / "toy"), task="arith")
     workdirs = [tmp_path / "run0", tmp_path / "run1"]
-    procs = [_start(toy_rl, paths, w) for w in workdirs]
+    procs = [_start(toy_rl, paths, w, recipe, env) for w in workdirs]
     try:
         codes = [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
     finally:
@@ -121,4 +117,19 @@ def test_two_runs_log_the_same_metrics(tmp_path):
         assert first[step].keys() == second[step].keys()
         differ = {k: (v, second[step][k]) for k, v in first[step].items() if v != second[step][k]}
         assert not differ, (step, differ)
-    assert first[2]["actor/kl_loss"] > 0  # step 2 sampled from updated weights
+    if "actor/kl_loss" in first[2]:  # the KL to the reference (not in PPO): step 2 sampled from updated weights
+        assert first[2]["actor/kl_loss"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_two_runs_log_the_same_metrics(tmp_path):
+    _two_runs_log_the_same_metrics(tmp_path, "tiny_cpu", {})
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize("recipe", sorted(SLOW_RECIPES))
+def test_two_runs_of_every_cpu_recipe_log_the_same_metrics(tmp_path, recipe):
+    _two_runs_log_the_same_metrics(tmp_path, recipe, SLOW_RECIPES[recipe])
