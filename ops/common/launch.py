@@ -70,7 +70,7 @@ def _autotuned(kernel, configs: tuple, key: tuple, restore: tuple):
 def search_configs(configs: list[dict], args: dict) -> list[dict]:
     """The configs the autotuner may pick from: the first one alone in deterministic mode (configs
     differ in block sizes, hence in the order of some reductions) and for fp32 inputs (the accuracy
-    mode: its exact "ieee" tl.dot compiles to FMA loops on CUDA, ~10 s per kernel and config)."""
+    mode: its exact "ieee" tl.dot compiles to FMA loops on CUDA, slow to compile for every kernel and config)."""
     if runtime.deterministic() or args.get("DT") is tl.float32:
         return configs[:1]
     return configs
