@@ -94,11 +94,14 @@ class _Seq:
 
 @dataclass
 class SpeculativeStats:
-    """Counts since the engine was built: rounds run, draft tokens proposed and kept over all requests."""
+    """Counts since the engine was built: rounds run, draft tokens proposed and kept over all requests, and
+    requests' rounds that kept all their drafts (then a bonus token) or rejected one."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    all_kept: int = 0
+    rejected: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -209,6 +212,9 @@ class SpeculativeEngine:
             outcomes.append((j, y))
             if j < ks[n]:
                 redo.append(n)
+                self.stats.rejected += 1
+            elif j > 0:
+                self.stats.all_kept += 1
             self.stats.drafted += ks[n]
             self.stats.accepted += j
             self.last_round[s.request.request_id] = (ks[n], j)

@@ -51,7 +51,7 @@ def model():
 
 def fitted_model():
     """Tiny Qwen3.5-MoE with one MTP layer, lm_head sharpened, the MTP layer fitted for 60 Adam steps to
-    predict token t+2 on 32 sampled continuations of the model's own."""
+    predict token t+2 on 32 continuations of the model's own (half greedy, half sampled)."""
     config = tiny_config()
     config.mtp_num_hidden_layers = 1
     m = tiny_model(config).eval()
@@ -59,8 +59,9 @@ def fitted_model():
         m.lm_head.weight.mul_(10.0)
     gen = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(1, VOCAB, (4,), generator=gen).tolist()) for _ in range(32)]
-    params = SamplingParams(max_tokens=28, ignore_eos=True)
-    outs = GenerationEngine(m, eos_token_ids=[]).generate([Request(f"d{i}", p, params) for i, p in enumerate(prompts)])
+    sampled, greedy = SamplingParams(max_tokens=28, ignore_eos=True), SamplingParams(max_tokens=28, temperature=0.0)
+    requests = [Request(f"d{i}", p, sampled if i % 2 else greedy) for i, p in enumerate(prompts)]
+    outs = GenerationEngine(m, eos_token_ids=[]).generate(requests)
     ids = torch.tensor([list(p) + c.token_ids for p, c in zip(prompts, outs)])
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
     with torch.no_grad():
@@ -91,7 +92,7 @@ def test_greedy_equals_plain_decoding(model, k):
         assert (a.request_id, a.token_ids, a.finish_reason) == (b.request_id, b.token_ids, b.finish_reason)
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) <= TOL
     assert "stop" in {c.finish_reason for c in spec} and "length" in {c.finish_reason for c in spec}
-    assert 0 < engine.stats.accepted < engine.stats.drafted  # drafts kept and rejected
+    assert engine.stats.all_kept and engine.stats.rejected  # rounds with a bonus token, rounds rolled back
 
 
 # ---- sampled: the target's distribution --------------------------------------------------------
@@ -239,7 +240,7 @@ def _close(a, b):
     return (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("temperature, k", [(0.0, 1), (1.0, 3)], ids=["greedy-k1", "sampled-k3"])
+@pytest.mark.parametrize("temperature, k", [(0.0, 3), (1.0, 2)], ids=["greedy-k3", "sampled-k2"])
 def test_state_keeps_only_accepted_tokens(model, temperature, k):
     params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=3)
     requests = [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
