@@ -146,7 +146,7 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version
         self.stats = SpeculativeStats()
-        self.last_round: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) of the last round
+        self.last_round: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) in the last step
         self._copies: Counter[tuple] = Counter()
         self._seqs: list[_Seq | None] = []
         self.state: SlotState | None = None
@@ -195,6 +195,7 @@ class SpeculativeEngine:
         seqs = [s for s in self._seqs if s is not None]
         if not seqs:
             return []
+        self.last_round = {}
         ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
         drafts, draft_probs = self._draft(seqs, ks)
         slots = [s.slot for s in seqs]
