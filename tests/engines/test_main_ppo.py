@@ -152,11 +152,13 @@ def test_tiny_recipes_fit_a_small_cpu_machine(recipe):
 
 def test_vllm_recipe_is_tiny_cpu_with_verls_vllm_rollout():
     """recipe/tiny_cpu_vllm repeats tiny_cpu's trainer side (Hydra lets only the primary config set the
-    search path): everything but the rollout and the experiment name must stay equal; the rollout fits a
-    CPU host (one replica per rank, no sleep mode, a small explicit KV cache per replica)."""
+    search path): everything but the rollout, the experiment name and the determinism switches (none of our
+    rollout's for verl's) must stay equal; the rollout fits a CPU host (one replica per rank, no sleep mode, a
+    small explicit KV cache per replica)."""
     from omegaconf import OmegaConf
 
-    vllm, tiny = (OmegaConf.to_container(_compose(r)) for r in ("tiny_cpu_vllm", "tiny_cpu"))
+    vllm = OmegaConf.to_container(_compose("tiny_cpu_vllm"))
+    tiny = OmegaConf.to_container(_compose("tiny_cpu", ["determinism=none"]))
     rollout = vllm["actor_rollout_ref"].pop("rollout")
     tiny["actor_rollout_ref"].pop("rollout")
     vllm["trainer"].pop("experiment_name"), tiny["trainer"].pop("experiment_name")
