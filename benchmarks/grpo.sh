@@ -14,6 +14,10 @@
 #                                   without it they stay resident across steps (model + slots: ~3 GiB here)
 #   SAMPLE=1                        every Python process of the run samples its stacks into $OUT/samples.txt
 #                                   (benchmarks/sampler): where the trainer's time goes, by process
+#   EXACT=1                         exact mode (docs/exact.md) for actor, reference and rollout, with verl's
+#                                   rollout correction in bypass mode: the rollout's log-probs are the old
+#                                   log-probs, no old-log-prob pass (results named *_exact); on CPU the run
+#                                   also needs ATEN_CPU_CAPABILITY=default, which the script then sets
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-grpo_out} && mkdir -p "$OUT"
@@ -30,6 +34,12 @@ else
 fi
 FREE=${FREE_CACHE_ENGINE:-false}
 SCALE+=(actor_rollout_ref.rollout.free_cache_engine=$FREE)
+if [ "${EXACT:-0}" = 1 ]; then
+  [ "$PLATFORM" = cpu ] && export ATEN_CPU_CAPABILITY=default
+  SCALE+=(actor_rollout_ref.actor.fsdp_config.ops.exact=true actor_rollout_ref.ref.fsdp_config.ops.exact=true
+    +actor_rollout_ref.rollout.engine_kwargs.verl_moe.ops.exact=true actor_rollout_ref.rollout.calculate_log_probs=true
+    algorithm.rollout_correction.bypass_mode=true)
+fi
 if [ "${SAMPLE:-0}" = 1 ]; then
   export PYTHONPATH=$PWD/benchmarks/sampler${PYTHONPATH:+:$PYTHONPATH} VERL_MOE_SAMPLE_DIR=$OUT/samples
   rm -rf "$OUT/samples"
@@ -37,12 +47,12 @@ fi
 WORK=${GRPO_WORK:-/tmp/grpo} && rm -rf "$WORK"
 SETUP=(scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8)
 # dynamic micro-batches of up to 16k tokens (the update) and 32k (log-probs of the actor and the reference)
-# instead of the tiny scale's 8 sequences; no validation, no checkpoints; our replay buffer, which looks for
-# a full batch every 0.1 s (verl's sync buffer every 2 s, so a generation counted in steps of 2 s)
+# instead of the tiny scale's 8 sequences; no validation, no checkpoints; determinism=ordered instead of the
+# CPU recipe's full (which decodes one request at a time): our content-ordered replay buffer, looking for a
+# full batch every 0.1 s (verl's sync buffer every 2 s, so a generation counted in steps of 2 s)
 TRAIN=(scripts/toy_rl.py train "$WORK" --platform "$PLATFORM" --steps "$STEPS" "${SCALE[@]}"
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.experiment_name=grpo_$SIZE
-  trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay
-  trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer +trainer.v1.sampler.sampler_kwargs.poll_interval=0.1
+  determinism=ordered trainer.v1.sampler.sampler_kwargs.poll_interval=0.1
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768
   actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768)
@@ -59,6 +69,7 @@ if [ "${SAMPLE:-0}" = 1 ]; then  # the processes with the most samples first
 fi
 NAME=rollout_grpo_${SIZE}_L4 && [ "$SIZE" = tiny ] && NAME=rollout_grpo_tiny
 [ "$FREE" = true ] && NAME=${NAME}_free_cache
+[ "${EXACT:-0}" = 1 ] && NAME=${NAME}_exact
 cp "$WORK/tiny_cpu.jsonl" "$RESULTS/$NAME.jsonl" || { echo "no metrics file $WORK/tiny_cpu.jsonl"; exit 1; }
 # the record scripts/benchmarks_md.py reads: what ran, where, on which code
 "$PY" - "$RESULTS/$NAME.json" "$NAME.jsonl" "${#SETUP[@]}" "${SETUP[@]}" "${TRAIN[@]}" <<'PYEOF'

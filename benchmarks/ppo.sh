@@ -26,8 +26,10 @@ fi
 WORK=${PPO_WORK:-/tmp/ppo} && rm -rf "$WORK"
 SETUP=(scripts/toy_rl.py data "$WORK" --model-size "$SIZE" --train 256 --val 8)
 # dynamic micro-batches of up to 16k tokens for the updates (the critic's inherits the actor's switch) and 32k
-# for the forward passes (old log-probs, values); no validation, no checkpoints
+# for the forward passes (old log-probs, values); no validation, no checkpoints; determinism=ordered instead of
+# the CPU recipe's full, which decodes one request at a time
 TRAIN=(scripts/toy_rl.py train "$WORK" --recipe tiny_cpu_ppo --platform "$PLATFORM" --steps "$STEPS" "${SCALE[@]}"
+  determinism=ordered
   trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.experiment_name=ppo_$SIZE
   actor_rollout_ref.rollout.free_cache_engine=false
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
