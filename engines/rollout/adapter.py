@@ -14,6 +14,10 @@ the next `update_weights` fills it, as verl's hybrid loop does every step; `resu
 (after the trainer offloaded) allocates the decode slots at the size the previous engine ended
 with, so the step's requests, arriving one by one, take slots without growing them.
 Without `free_cache_engine` the engine, its slots and its captured graphs live across steps.
+
+With `engine_kwargs.verl_moe.speculative_tokens` k > 0 (or verl's `model.mtp.enable_rollout`) the engine is a
+`SpeculativeEngine` (the model's MTP layer drafts k tokens per round, eager) in place of `GenerationEngine`;
+every call here works on either.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from verl.workers.rollout.base import BaseRollout
 
 from ...models import build, get_spec
 from ...models.layers import TopKRouter
-from .config import RolloutOptions, rollout_dtype
+from .config import MTP_KEY, OPTIONS_KEY, RolloutOptions, rollout_dtype
 from .engine import Completion, GenerationEngine, Request
+from .speculative import SpeculativeEngine
 from .weights import load_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -87,8 +92,14 @@ class MoeRolloutAdapter(BaseRollout):
         self.weights_version = 0  # keys the sampling streams (see update_weights)
         text = get_spec(self.model_config.hf_config.model_type).text_config(self.model_config.hf_config)
         self.vocab_size, self.max_positions = text.vocab_size, text.max_position_embeddings
+        k = self.options.speculative_tokens
+        if k and not getattr(text, "mtp_num_hidden_layers", 0):  # Qwen3-MoE's config has no such key
+            raise ValueError(
+                f"{OPTIONS_KEY}.speculative_tokens={k} drafts with the model's MTP layer, and this model has none: "
+                f"set {MTP_KEY}.enable=true on a checkpoint with mtp.* tensors, or speculative_tokens=0"
+            )
         self._model = None
-        self._engine: GenerationEngine | None = None
+        self._engine: GenerationEngine | SpeculativeEngine | None = None
         self._slot_sizes: dict[str, int] = {}  # the last engine's `sizes`, reserved again on wake-up
         self._profiler = None
         self._profile_count = 0
@@ -137,7 +148,16 @@ class MoeRolloutAdapter(BaseRollout):
         self.global_steps = global_steps
         # the training step, when verl says it, so a resumed run samples what an uninterrupted one did
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
-        if self._engine is None:
+        if self._engine is None and self.options.speculative_tokens:
+            self._engine = SpeculativeEngine(
+                self._model,
+                self.eos_token_ids,
+                num_draft_tokens=self.options.speculative_tokens,
+                seed=self.config.seed,
+                max_positions=self.max_positions,
+                max_num_seqs=self.config.max_num_seqs,
+            )
+        elif self._engine is None:
             self._engine = GenerationEngine(
                 self._model,
                 self.eos_token_ids,
@@ -160,12 +180,19 @@ class MoeRolloutAdapter(BaseRollout):
     # ---- engine side of the server's calls (run in this process through call_adapter) ---------
 
     def engine_run(self, requests: list[Request], steps: int) -> dict:
-        """Admit `requests`, advance all running ones by `steps` tokens. Returns {"completions":
-        [Completion], "running": int, "global_steps": int | None}."""
+        """Admit `requests`, advance all running ones by `steps` tokens (speculative: at least `steps`, or to
+        their end). Returns {"completions": [Completion], "running": int, "global_steps": int | None,
+        "extra_fields": {request_id: dict}} (speculative: each finished request's draft counts)."""
         if self._engine is None:
             raise ValueError("verl_moe rollout has no weights yet: verl calls update_weights before generating")
         done = self._engine.add(requests) + self._engine.step(steps)
-        return {"completions": done, "running": self._engine.num_running, "global_steps": self.global_steps}
+        extra = self._engine.take_request_stats() if isinstance(self._engine, SpeculativeEngine) else {}
+        return {
+            "completions": done,
+            "running": self._engine.num_running,
+            "global_steps": self.global_steps,
+            "extra_fields": extra,
+        }
 
     def engine_limits(self) -> dict:
         """What the server checks prompts against: {"vocab_size": int, "max_positions": int}."""

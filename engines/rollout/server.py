@@ -33,9 +33,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from .config import ROLLOUT_KEY, RolloutOptions
+from .config import OPTIONS_KEY, ROLLOUT_KEY, RolloutOptions
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams
+from .speculative import check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,9 @@ class LocalEngineClient:
         return getattr(self.adapter, f"engine_{method}")(*args)
 
 
-def _token_output(c: Completion, global_steps: int | None) -> TokenOutput:
+def _token_output(c: Completion, global_steps: int | None, fields: dict | None = None) -> TokenOutput:
     stop_reason = "aborted" if c.finish_reason == "abort" else "completed"
-    extra = {"global_steps": global_steps}
+    extra = {"global_steps": global_steps, **(fields or {})}
     return TokenOutput(token_ids=c.token_ids, log_probs=c.log_probs, stop_reason=stop_reason, extra_fields=extra)
 
 
@@ -124,9 +125,13 @@ class MoeRolloutServer:
         [1, room]; a given `max_tokens` is capped at room, room = min(max_model_len, the model's
         max_position_embeddings) - len(prompt).
 
+        With speculative decoding on, extra_fields also carry the request's draft counts
+        (`spec_num_draft_tokens`, `spec_num_accepted_tokens`, `spec_num_verify_steps`).
+
         Raises:
             ValueError: multimodal input, extra arguments, a prompt `check_prompt` refuses or that
-                leaves no room, max_tokens < 1, or sampling parameters the sampler does not implement.
+                leaves no room, max_tokens < 1, or sampling parameters the sampler (or, with
+                speculative_tokens, the speculative path) does not implement.
         """
         if any(x is not None for x in (image_data, video_data, audio_data)) or mm_processor_kwargs:
             raise ValueError("verl_moe rollout generates from text token ids only (no image/video/audio input)")
@@ -163,6 +168,13 @@ class MoeRolloutServer:
             # replica rank keeps identical prompts on different replicas on different streams
             sample_key=str(request_id) if self.config.full_determinism else f"replica{self.replica_rank}",
         )
+        if self.options.speculative_tokens:
+            try:
+                check_sampling(request.params)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e}: with {OPTIONS_KEY}.speculative_tokens={self.options.speculative_tokens}"
+                ) from None
         while not self._gate.is_set():
             if self._rejecting:
                 return _token_output(Completion(request.request_id, [], None, "abort"), self.global_steps)
@@ -171,8 +183,8 @@ class MoeRolloutServer:
         self._queue.append((request, future))
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
-        completion, global_steps = await future
-        return _token_output(completion, global_steps)
+        completion, global_steps, fields = await future
+        return _token_output(completion, global_steps, fields)
 
     def _context_setting(self) -> str:
         """What sets the context a request must fit: the model's max_position_embeddings where that is the
@@ -205,7 +217,7 @@ class MoeRolloutServer:
                 except Exception as exc:
                     await self._fail_running(exc)
                     continue
-            self._finish(result["completions"], result["global_steps"])
+            self._finish(result["completions"], result["global_steps"], result["extra_fields"])
             wave["requests"] += len(admitted)
             wave["tokens"] += sum(len(c.token_ids) for c in result["completions"])
             wave["calls"] += 1
@@ -234,13 +246,16 @@ class MoeRolloutServer:
         except Exception:
             logger.exception("verl_moe rollout replica %d: abort after the failure failed too", self.replica_rank)
 
-    def _finish(self, completions: list[Completion], global_steps: int | None) -> None:
+    def _finish(
+        self, completions: list[Completion], global_steps: int | None, fields: dict[str, dict] | None = None
+    ) -> None:
         if global_steps is not None:
             self.global_steps = global_steps
+        fields = fields or {}
         for c in completions:
             future = self._running.pop(c.request_id, None)
             if future is not None and not future.done():
-                future.set_result((c, self.global_steps))
+                future.set_result((c, self.global_steps, fields.get(c.request_id)))
 
     # ---- control -----------------------------------------------------------------------------
 
@@ -281,11 +296,11 @@ class MoeRolloutServer:
             for request, future in self._queue:
                 ids.append(request.request_id)
                 if not future.done():
-                    future.set_result((Completion(request.request_id, [], None, "abort"), self.global_steps))
+                    future.set_result((Completion(request.request_id, [], None, "abort"), self.global_steps, None))
             self._queue.clear()
             for request_id, future in list(self._running.items()):  # requests the engine no longer knew
                 if not future.done():
-                    future.set_result((Completion(request_id, [], None, "abort"), self.global_steps))
+                    future.set_result((Completion(request_id, [], None, "abort"), self.global_steps, None))
             self._running.clear()
         logger.info("verl_moe rollout replica %d: aborted %d requests", self.replica_rank, len(ids))
         return {"aborted_count": len(ids), "request_ids": ids}

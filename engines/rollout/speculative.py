@@ -25,6 +25,11 @@ comes from a `torch.Generator` of its own, seeded by its `seed` or, without one,
 emitted token is the target's, log_softmax(logits / temperature) in fp32 (temperature 1 for greedy
 requests), as the engine returns them. Sampling settings beyond temperature (top-k, top-p, min-p,
 repetition penalty, min_tokens) are refused: the rule would need their processed q and p.
+
+The rollout (`adapter.py`, `engine_kwargs.verl_moe.speculative_tokens`) drives it as it drives
+`GenerationEngine`: `add`, `step(steps)`, `num_running`, `sizes` / `reserve`, `set_weights_version`,
+`abort_all`; `take_request_stats` gives each finished request's draft counts under the names verl's trainer
+reads (`spec_num_draft_tokens`, `spec_num_accepted_tokens`, `spec_num_verify_steps`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
 from ...models.mtp_decode import MtpCache, MtpDrafter, extend_hidden, load_linear_state, save_linear_state
+from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams, stream_seed
 
@@ -90,6 +96,10 @@ class _Seq:
     pending_hidden: torch.Tensor | None = None
     pending_tokens: list[int] = field(default_factory=list)
     mtp_start: int = 0
+    # over the request's rounds with drafts: draft tokens proposed, kept, and those rounds
+    drafted: int = 0
+    accepted: int = 0
+    verified: int = 0
 
 
 @dataclass
@@ -117,6 +127,13 @@ _UNSUPPORTED = (
 )
 
 
+def check_sampling(params: SamplingParams) -> None:
+    """Raises ValueError naming the sampling settings of `params` this path does not implement."""
+    bad = [name for name, used in _UNSUPPORTED if used(params)]
+    if bad:
+        raise ValueError(f"speculative decoding does not implement {bad} yet (temperature and greedy only)")
+
+
 class SpeculativeEngine:
     """Generate with MTP drafts verified by the main model (the module docstring gives the rule).
 
@@ -126,8 +143,10 @@ class SpeculativeEngine:
         num_draft_tokens: k, draft tokens per round (>= 1).
         seed, weights_version: keys of the generators of requests without their own seed (as
             `GenerationEngine` keys its streams).
+        max_positions: the longest prompt accepted (the model's max_position_embeddings), None: any.
+        max_num_seqs: slots at most (requests running at once), None: no limit.
     Raises:
-        ValueError: a model without MTP layers, or k < 1.
+        ValueError: a model without MTP layers, k < 1 or max_num_seqs < 1.
     """
 
     def __init__(
@@ -137,16 +156,22 @@ class SpeculativeEngine:
         num_draft_tokens: int = 2,
         seed: int = 0,
         weights_version: int = 0,
+        max_positions: int | None = None,
+        max_num_seqs: int | None = None,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"{ROLLOUT_KEY}.max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_positions, self.max_num_seqs = max_positions, max_num_seqs
         self.model, self.k = model, num_draft_tokens
         self.decoder = MoeDecoder(model)
         self.drafter = MtpDrafter(self.decoder)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version
         self.stats = SpeculativeStats()
-        self.last_round: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) in the last step
+        self.last_round: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) in the last round
+        self._finished_stats: dict[str, dict[str, int]] = {}  # request id -> counts, until take_request_stats
         self._copies: Counter[tuple] = Counter()
         self._seqs: list[_Seq | None] = []
         self.state: SlotState | None = None
@@ -189,8 +214,54 @@ class SpeculativeEngine:
             self._emit(s, [x], [lp])
         return self._collect(slots)
 
+    def step(self, steps: int = 1) -> list[Completion]:
+        """Rounds until every running request has gained at least `steps` tokens or finished (at most
+        `steps` rounds: a round gives each request 1 to k + 1 tokens). Returns those that finished."""
+        start = {s.request.request_id: len(s.tokens) for s in self._seqs if s is not None}
+        done: list[Completion] = []
+        while any(s is not None and len(s.tokens) - start[s.request.request_id] < steps for s in self._seqs):
+            done += self._round()
+        return done
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """What the slots have room for now, as `reserve` takes it (all 0 before the first request)."""
+        return {"slots": len(self._seqs), "positions": self.mtp_cache.capacity if self.mtp_cache is not None else 0}
+
+    def reserve(self, slots: int, positions: int) -> None:
+        """Allocate `slots` slots (at most max_num_seqs) of `positions` positions up front, in both the main
+        model's and the MTP layer's caches."""
+        if slots > 0:
+            self._grow(slots if self.max_num_seqs is None else min(slots, self.max_num_seqs), positions)
+
+    def set_weights_version(self, weights_version: int) -> None:
+        """Key the generators of requests admitted from now on by `weights_version`, as `GenerationEngine`
+        keys its streams (arrival ranks count from zero again).
+
+        Raises:
+            ValueError: requests are running.
+        """
+        if self.num_running:
+            raise ValueError("weights version changed while requests run; abort or drain them first")
+        self.weights_version = weights_version
+        self._copies.clear()
+
+    def abort_all(self) -> list[Completion]:
+        """Stop every running request; each returns what it generated so far (finish_reason "abort")."""
+        for s in self._seqs:
+            if s is not None:
+                s.finish = "abort"
+        return self._collect(range(len(self._seqs)))
+
+    def take_request_stats(self) -> dict[str, dict[str, int]]:
+        """Per request finished (or aborted) since the last call: {"spec_num_draft_tokens",
+        "spec_num_accepted_tokens", "spec_num_verify_steps"} (draft tokens proposed, kept, and rounds that
+        verified drafts), the keys verl's trainer turns into `rollout/spec_accept_rate` and `_length`."""
+        stats, self._finished_stats = self._finished_stats, {}
+        return stats
+
     @torch.no_grad()
-    def step(self) -> list[Completion]:
+    def _round(self) -> list[Completion]:
         """One round for every running request: draft, verify, accept, commit. Returns those that finished."""
         seqs = [s for s in self._seqs if s is not None]
         if not seqs:
@@ -218,6 +289,7 @@ class SpeculativeEngine:
                 self.stats.all_kept += 1
             self.stats.drafted += ks[n]
             self.stats.accepted += j
+            s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
         kept = {n: hidden[offsets[n] : offsets[n] + j + 1] for n, (j, _) in enumerate(outcomes)}
         if redo:  # roll back to before the verification and consume the kept positions only
@@ -334,20 +406,42 @@ class SpeculativeEngine:
             if s is not None and s.finish is not None:
                 lps = s.log_probs if s.request.params.logprobs else None
                 done.append(Completion(s.request.request_id, s.tokens, lps, s.finish))
+                self._finished_stats[s.request.request_id] = {
+                    "spec_num_draft_tokens": s.drafted,
+                    "spec_num_accepted_tokens": s.accepted,
+                    "spec_num_verify_steps": s.verified,
+                }
                 self._seqs[i] = None
         return done
 
     # ---- slots and requests -----------------------------------------------------------------------
 
     def _take_slots(self, requests: Sequence[Request]) -> list[int]:
-        """Free slots for `requests`, the slots (and both caches) reallocated when too few or too short."""
+        """Free slots for `requests`, the slots (and both caches) reallocated when too few or too short.
+
+        Raises:
+            ValueError: more requests than free slots (max_num_seqs).
+        """
         free = [i for i, s in enumerate(self._seqs) if s is None]
-        need = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
-        slots = len(self._seqs) + max(0, len(requests) - len(free))
+        running = len(self._seqs) - len(free)
+        if self.max_num_seqs is not None and running + len(requests) > self.max_num_seqs:
+            raise ValueError(
+                f"{len(requests)} requests do not fit: {running} of max_num_seqs={self.max_num_seqs} slots are running "
+                f"({ROLLOUT_KEY}.max_num_seqs)"
+            )
+        self._grow(
+            len(self._seqs) + max(0, len(requests) - len(free)),
+            max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
+        )
+        return [i for i, s in enumerate(self._seqs) if s is None][: len(requests)]
+
+    def _grow(self, slots: int, need: int) -> None:
+        """At least `slots` slots of `need` positions in both caches (what is there is kept)."""
         if self.state is None:
             self.state = self.decoder.allocate(slots, need)
             self.mtp_cache = self.drafter.allocate(slots, need)
         elif slots > self.state.num_slots or need > self.mtp_cache.capacity:
+            slots = max(slots, self.state.num_slots)
             capacity = max(need, self.mtp_cache.capacity)
             self.state.resize(slots, max(capacity, self.state.capacity or 0))
             grown = self.drafter.allocate(slots, capacity)
@@ -355,8 +449,7 @@ class SpeculativeEngine:
             for new, t in ((grown.attention.k, old.k), (grown.attention.v, old.v)):
                 new[: t.shape[0], :, : t.shape[2]] = t
             self.mtp_cache = grown
-        self._seqs += [None] * (slots - len(self._seqs))
-        return [i for i, s in enumerate(self._seqs) if s is None][: len(requests)]
+        self._seqs += [None] * max(0, slots - len(self._seqs))
 
     def _check(self, requests: Sequence[Request]) -> None:
         running = {s.request.request_id for s in self._seqs if s is not None}
@@ -365,10 +458,11 @@ class SpeculativeEngine:
             if r.request_id in running or r.request_id in seen:
                 raise ValueError(f"request {r.request_id!r} is already running or given twice")
             seen.add(r.request_id)
-            check_prompt(r.prompt_ids, self.model.arch.vocab_size)
-            bad = [name for name, used in _UNSUPPORTED if used(r.params)]
-            if bad:
-                raise ValueError(f"request {r.request_id!r}: speculative decoding does not implement {bad} yet")
+            try:
+                check_prompt(r.prompt_ids, self.model.arch.vocab_size, self.max_positions)
+                check_sampling(r.params)
+            except ValueError as e:
+                raise ValueError(f"request {r.request_id!r}: {e}") from None
 
     def _generator(self, r: Request) -> torch.Generator | None:
         params: SamplingParams = r.params
@@ -383,4 +477,4 @@ class SpeculativeEngine:
         return torch.Generator().manual_seed(stream)
 
 
-__all__ = ["SpeculativeEngine", "SpeculativeStats", "accept_drafts", "accept_greedy"]
+__all__ = ["SpeculativeEngine", "SpeculativeStats", "accept_drafts", "accept_greedy", "check_sampling"]
