@@ -157,6 +157,11 @@ class MoeRolloutAdapter(BaseRollout):
                 max_positions=self.max_positions,
                 max_num_seqs=self.config.max_num_seqs,
             )
+            logger.info(
+                "verl_moe rollout replica %d: speculative decoding, %d draft tokens per round (MTP layer, eager)",
+                self.replica_rank,
+                self._engine.k,
+            )
         elif self._engine is None:
             self._engine = GenerationEngine(
                 self._model,

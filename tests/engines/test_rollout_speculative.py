@@ -8,7 +8,9 @@ so drafts are both kept and rejected), through `MoeRolloutServer` + `LocalEngine
 - greedy requests give the tokens of the same server with speculation off, their log-probs to 1e-5 (the
   verification runs k + 1 positions through the chunked ops, plain decoding one at a time);
 - each response carries its draft counts in extra_fields (verl's `spec_num_*` keys), some drafts kept;
-- abort, sleep and wake-up (slots reserved at their old size), a second weight update.
+- abort, sleep and wake-up (slots reserved at their old size), a second weight update;
+- verl's `main_ppo` (recipe/tiny_cpu, 2 steps) with speculation on: the runs' checks of `test_main_ppo.py` and
+  verl's `rollout/spec_accept_rate` / `_length` from our counts.
 
 Tolerances:
 | what                                                   | dtype | tol          |
@@ -24,6 +26,7 @@ import pytest
 import torch
 import verl_moe.models as vm
 from engine_setup import tiny_config
+from test_main_ppo import RUN_TIMEOUT_S, SHORT_STEPS, _check_run, _run_main_ppo, _toy_rl
 from test_speculative import PROMPTS, fitted_model
 from verl.workers.config import MtpConfig, RolloutConfig
 from verl_moe.engines.rollout.adapter import MoeRolloutAdapter
@@ -231,3 +234,29 @@ def test_verls_mtp_rollout_switch():
         options(enable=True, enable_rollout=True, method="eagle")
     with pytest.raises(ValueError, match=r"speculative_tokens=2 disagrees with .*num_speculative_tokens=3"):
         options(2, enable=True, enable_rollout=True, num_speculative_tokens=3)
+
+
+# ---- verl's trainer --------------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_main_ppo_with_speculative_rollout(tmp_path_factory, tmp_path):
+    """`main_ppo` with recipe/tiny_cpu, 2 steps, on the toy model with one MTP layer, speculation on through
+    verl's own switch (`model.mtp.enable`, `enable_rollout`, `num_speculative_tokens=2`; verl's trainer logs
+    the speculative metrics only under it): the run's checks of `test_main_ppo.py` (finite metrics, the
+    rollout follows the trained weights), verl's `rollout/spec_accept_*` from our counts, and the rollout's
+    log-probs as close to the trainer's as in fast mode without speculation."""
+    toy_rl = _toy_rl()
+    paths = toy_rl.make(str(tmp_path_factory.mktemp("toy_spec")), task="arith", mtp_layers=1)
+    mtp = "actor_rollout_ref.model.mtp"
+    overrides = [f"{mtp}.enable=true", f"{mtp}.enable_rollout=true", f"{mtp}.num_speculative_tokens=2"]
+    steps = _run_main_ppo(toy_rl, paths, "tiny_cpu", tmp_path, SHORT_STEPS, overrides)
+    _check_run(steps, SHORT_STEPS)
+    for step in range(1, SHORT_STEPS + 1):
+        metrics = steps[step]
+        assert 0.0 <= metrics["rollout/spec_accept_rate"] <= 1.0, (step, metrics)
+        assert 1.0 <= metrics["rollout/spec_accept_length"] <= 3.0, (step, metrics)
+        assert metrics["rollout/logprob_abs_diff_max"] <= 1e-4, (step, metrics)
+    log = (tmp_path / "main_ppo.log").read_text()
+    assert "speculative decoding, 2 draft tokens per round" in log
