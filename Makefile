@@ -52,7 +52,15 @@ test-slow: install
 # The GPU suite on a CUDA (or NPU) machine: every `gpu` test, in the Python environment that has the package
 # and its test extra (`pip install -e '.[bench,test]'`; not .venv, which holds torch's CPU wheel). Tests that
 # need what the machine lacks (Ray, our cpu platform, an optional package) skip with the reason.
-.PHONY: test-gpu
+# Triton compiles on the host's cores: with pytest-xdist (the test extra) the modules run in GPU_WORKERS processes
+# sharing the device, each module in one process (its fixtures built once); without it, in this one.
+.PHONY: test-gpu test-gpu-full
 GPU_PYTHON ?= python
+GPU_WORKERS ?= 8
+GPU_XDIST = $(shell $(GPU_PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS) --dist loadfile")
 test-gpu:
-	$(GPU_PYTHON) -m pytest -q -m gpu tests
+	$(GPU_PYTHON) -m pytest -q -m "gpu and not slow" $(GPU_XDIST) tests
+
+# the GPU suite with its full-shape sweeps (`gpu` and `slow`)
+test-gpu-full:
+	$(GPU_PYTHON) -m pytest -q -m gpu $(GPU_XDIST) tests

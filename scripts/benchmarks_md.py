@@ -388,8 +388,8 @@ def decode_rl_section(reports: list[tuple[str, dict]]) -> str:
 
 
 def exact_section(reports: list[tuple[str, dict]]) -> str:
-    header = ["mode", "tokens", "mismatched", "max abs Δ log-prob", "mean abs Δ", "decode step ms", "train step ms"]
-    header += ["train tokens", "peak GiB"]
+    header = ["device", "mode", "tokens", "mismatched", "max abs Δ log-prob", "mean abs Δ", "decode step ms"]
+    header += ["train step ms", "train tokens", "peak GiB"]
     rows = []
     for _, rep in reports:
         for r in (r for r in rep["records"] if r["mode"] in ("fast", "exact")):
@@ -398,6 +398,7 @@ def exact_section(reports: list[tuple[str, dict]]) -> str:
                 decode, train = f"{decode} ({num(r['decode_ratio'], 3)}x)", f"{train} ({num(r['train_ratio'], 3)}x)"
             rows.append(
                 [
+                    rep["device_name"],
                     r["mode"],
                     str(r["tokens"]),
                     str(r["mismatched_tokens"]),
@@ -409,10 +410,11 @@ def exact_section(reports: list[tuple[str, dict]]) -> str:
                     num(r["peak_GiB"], 3),
                 ]
             )
-    table_md = table(header, rows, right=set(range(1, len(header))))
-    ablation = [r for _, rep in reports for r in rep["records"] if r["mode"] == "ablation"]
-    if ablation:
-        table_md += "\n\n" + ablation_table(ablation)
+    table_md = table(header, rows, right=set(range(2, len(header))))
+    for _, rep in reports:
+        ablation = [r for r in rep["records"] if r["mode"] == "ablation"]
+        if ablation:
+            table_md += f"\n\n{rep['device_name']}: " + ablation_table(ablation)
     return table_md + "\n\n" + footer(reports)
 
 
@@ -422,9 +424,10 @@ def ablation_table(records: list[dict]) -> str:
     by = {(r["op"], r["direction"]): r for r in records}
     fast, exact = by[("all", "fast")], by[("all", "exact")]
     lines = [
-        f"Where fast mode's mismatch comes from ({fast['requests']} of the requests, {fast['tokens']} response "
+        f"where fast mode's mismatch comes from ({fast['requests']} of the requests, {fast['tokens']} response "
         f"tokens; all fast: mean {num(fast['mean_abs_logprob_diff'], 3)}, max {num(fast['max_abs_logprob_diff'], 3)}; "
         f"all exact: {exact['mismatched_tokens']} tokens differ):",
+        "",
         "",
     ]
     header = ["op", "only this op exact: mean abs Δ", "max abs Δ", "only this op fast: mean abs Δ", "max abs Δ"]
@@ -610,9 +613,11 @@ def render(reports: dict[str, dict]) -> str:
             "### RL-shaped batches",
             "`verl-moe bench rollout --case rl`: 256 requests, prompt lengths uniform in 32-512 and stops uniform in "
             "16-256 (fixed seeds, `ignore_eos`), one `generate` call each. Fresh = a new engine per batch, as verl's "
-            "`free_cache_engine=true` gives every step (build = its slots and device graphs); kept = one engine "
-            "across batches; cold = the first batch of the process (compiles). transformers: one left-padded "
-            "generate, every row run to the longest stop. Tokens/s count the tokens the requests asked for.",
+            "`free_cache_engine=true` gives every step (build = its constructor; it allocates its slots in the "
+            "prefill and captures its device graphs in the decode); kept = one engine across batches; cold = the "
+            "first batch of the process (compiles). transformers: one left-padded generate, every row run to the "
+            "longest stop, with the kernels the machine has (without fla: its torch gated delta rule). Tokens/s "
+            "count the tokens the requests asked for.",
             decode_rl_section([(n, r) for n, r in decode if any(x.get("case") == "rl" for x in r["records"])]),
         ]
     if exact:

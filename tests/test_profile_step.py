@@ -48,3 +48,19 @@ def test_host_gaps_by_cause():
         ("sync: aten::item", pytest.approx(0.010), 1),
         ("allocator: aten::empty", pytest.approx(0.010), 1),
     ]
+    # with Python stacks: our innermost frame at the sync and at a launch outside aten ops (a Triton wrapper)
+    trace["traceEvents"] += [
+        _x("python_function", "/repo/models/layers.py(10): forward", 0, 20),
+        _x("python_function", "/repo/ops/experts/mlp.py(40): route", 3, 14),
+        _x("python_function", "/site/torch/nn/module.py(1): _call_impl", 4, 13),
+        _x("cuda_runtime", "cuLaunchKernel", 80, 1, correlation=6),
+        _x("python_function", "/repo/ops/gdn/chunk.py(7): forward", 79, 3),
+        _x("kernel", "chunk_fwd_kernel", 90, 5, correlation=6),  # idle 85-90: a launch outside aten ops
+    ]
+    gaps = _load().host_gaps(trace, package_root="/repo")
+    assert gaps == [
+        ("launch: aten::mm in Experts.forward", pytest.approx(0.019), 1),
+        ("sync: aten::item at ops/experts/mlp.py(40): route", pytest.approx(0.010), 1),
+        ("allocator: aten::empty", pytest.approx(0.010), 1),
+        ("launch: chunk_fwd_kernel (outside aten ops) at ops/gdn/chunk.py(7): forward", pytest.approx(0.005), 1),
+    ]

@@ -8,6 +8,10 @@ import torch
 from ...models.decode import MoeDecoder, SlotState
 from ...ops import device
 
+# captures this process has warmed up (batch size, key, dtype and the slot tensors' shapes): a later engine capturing
+# the same finds its kernels compiled and autotuned, and warms up with one eager step instead of two
+_WARMED: set[tuple] = set()
+
 
 class StepGraphs:
     """`MoeDecoder.step` (and what the caller does with its logits) captured once per (batch size,
@@ -16,9 +20,9 @@ class StepGraphs:
 
     The caller keeps `tokens` and `active` in persistent buffers (their slices [0, B) are what a
     graph reads) and consumes the returned outputs before the next call (the graphs share one memory
-    pool, so their outputs may alias). Capturing runs the step twice eagerly first (kernel
-    selection and autotuning happen there, not in the graph) with every slot inactive, so capturing
-    at any time leaves the slots as they were.
+    pool, so their outputs may alias). Capturing runs the step eagerly first (kernel selection and
+    autotuning happen there, not in the graph: twice the first time this process captures the shape,
+    once after) with every slot inactive, so capturing at any time leaves the slots as they were.
     """
 
     def __init__(self, decoder: MoeDecoder):
@@ -41,7 +45,7 @@ class StepGraphs:
             self.version = state.version
         index = (tokens.numel(), key)
         if index not in self.graphs:
-            self.graphs[index] = self._capture(tokens, state, active, then)
+            self.graphs[index] = self._capture(tokens, state, active, then, key)
         graph, outputs = self.graphs[index]
         graph.replay()
         return outputs
@@ -52,18 +56,21 @@ class StepGraphs:
         "use_count > 0 INTERNAL ASSERT FAILED"); the next capture opens a new one."""
         self.graphs, self.pool = {}, None
 
-    def _capture(self, tokens, state, active, then):
+    def _capture(self, tokens, state, active, then, key):
         def run():
             logits = self.decoder.step(tokens, state, active)
             return logits if then is None else then(logits)
 
+        shapes = tuple(tuple(t.shape) for cache in state.layers for t in vars(cache).values())
+        signature = (tokens.numel(), key, self.decoder.dtype, shapes)
         saved = active.clone()
         active.zero_()
         stream = self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
-            for _ in range(2):
+            for _ in range(1 if signature in _WARMED else 2):
                 run()
+        _WARMED.add(signature)
         self.module.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = self.module.graph_pool_handle()

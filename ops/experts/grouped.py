@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .reference import check_experts_inputs, empty_experts, permute_ref, sort_ref, swiglu_ref, unpermute_ref
 
 
-def _grouped_mm_takes(like: torch.Tensor, *dims: int) -> bool:
+def grouped_mm_takes(like: torch.Tensor, *dims: int) -> bool:
     """Whether F.grouped_mm runs for operands of `like`'s dtype and device whose rows have these sizes."""
     if not hasattr(F, "grouped_mm") or like.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -45,7 +45,7 @@ def _grouped_mm_takes(like: torch.Tensor, *dims: int) -> bool:
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return _grouped_mm_takes(x, x.shape[-1], w.shape[-1], w.shape[-2])
+    return grouped_mm_takes(x, x.shape[-1], w.shape[-1], w.shape[-2])
 
 
 def _triton_grouped_gemm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -108,7 +108,7 @@ def grouped_experts(hidden, gate_up_proj, down_proj, topk_idx, topk_weight, move
     w = topk_weight.reshape(-1)
     if w.dtype != torch.float64:
         w = w.float()  # the combine weights stay in (at least) fp32
-    if moves.name == "triton" and _grouped_mm_takes(hidden, hidden.shape[1], 2 * I, I):
+    if moves.name == "triton" and grouped_mm_takes(hidden, hidden.shape[1], 2 * I, I):
         from .mlp import experts_mlp  # one Function that saves only the gate_up output
 
         return experts_mlp(hidden, gate_up_proj, down_proj, w, routing, TOPK)

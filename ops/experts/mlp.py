@@ -31,11 +31,15 @@ from .swiglu import swiglu_bwd, swiglu_fwd
 @dataclass(frozen=True)
 class _MlpOptions:
     top_k: int
+    rows_configs: tuple[dict, ...] | None = None  # pinned row-GEMM configs for the forward (exact mode)
 
 
-def _forward_gemm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x [S, IN] @ weight[e].T for each expert's rows: F.grouped_mm, or on an accelerator at decode sizes
-    (<= SMALL_ROWS_PER_EXPERT rows per expert) our Triton grouped GEMM with its pinned small-rows config."""
+def _forward_gemm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, opts: _MlpOptions) -> torch.Tensor:
+    """x [S, IN] @ weight[e].T for each expert's rows: our Triton grouped GEMM in `opts.rows_configs` when
+    pinned; else F.grouped_mm, or on an accelerator at decode sizes (<= SMALL_ROWS_PER_EXPERT rows per
+    expert) the Triton grouped GEMM with its pinned small-rows config."""
+    if opts.rows_configs is not None:
+        return grouped_gemm_rows(x, weight.transpose(-2, -1), ends, list(opts.rows_configs))
     if x.device.type != "cpu" and x.shape[0] <= SMALL_ROWS_PER_EXPERT * weight.shape[0]:
         return grouped_gemm_rows(x, weight.transpose(-2, -1), ends, SMALL_ROWS_CONFIGS)
     return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
@@ -48,9 +52,9 @@ class MoeExpertsMlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, gate_up, down, w, dest, src, ends, opts: _MlpOptions):
         x = scatter_rows(hidden, dest, opts.top_k)
-        h = _forward_gemm(x, gate_up, ends)
+        h = _forward_gemm(x, gate_up, ends, opts)
         del x
-        y = _forward_gemm(swiglu_fwd(h, w, src), down, ends)
+        y = _forward_gemm(swiglu_fwd(h, w, src), down, ends, opts)
         ctx.save_for_backward(hidden, gate_up, down, w, dest, src, ends, h)
         ctx.opts = opts
         return gather_sum(y, dest, opts.top_k)
@@ -72,10 +76,13 @@ class MoeExpertsMlpFunction(torch.autograd.Function):
         return dhidden, dgate_up, ddown, dw, None, None, None, None
 
 
-def experts_mlp(hidden, gate_up_proj, down_proj, w, routing: Routing, top_k: int) -> torch.Tensor:
+def experts_mlp(
+    hidden, gate_up_proj, down_proj, w, routing: Routing, top_k: int, rows_configs: tuple[dict, ...] | None = None
+) -> torch.Tensor:
     """hidden [N, D], gate_up_proj [E, 2I, D], down_proj [E, D, I] in one dtype that F.grouped_mm takes,
-    w [S] fp32 router weights by copy, `routing` of the S = N * TOPK copies -> [N, D]."""
+    w [S] fp32 router weights by copy, `routing` of the S = N * TOPK copies -> [N, D]. rows_configs: run
+    the forward's GEMMs in these row-GEMM configs whatever the size (a row's result is then its own)."""
     return MoeExpertsMlpFunction.apply(
         hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous(), w.contiguous(), routing.dest,
-        routing.src, routing.ends, _MlpOptions(top_k),
+        routing.src, routing.ends, _MlpOptions(top_k, rows_configs),
     )  # fmt: skip

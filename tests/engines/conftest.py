@@ -1,10 +1,12 @@
 """Engine tests run verl on our cpu platform (gloo ranks, Ray CPU bundles), chosen before anything imports
 verl. They need a complete Ray (verl's worker groups import `ray.experimental`) and our plugin's `cpu`
-platform in verl's registry; where either is missing (e.g. a GPU machine with a partial install) the folder
-is skipped with the reason instead of failing at collection. None of these tests is a `gpu` test."""
+platform in verl's registry; where either is missing (e.g. a GPU machine with a partial install) the folder's
+modules that use verl are skipped with the reason instead of failing at collection. The modules of our own
+rollout engine alone (the decode graphs, exact mode end to end: `gpu` tests among them) use neither and run."""
 
 import importlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,6 +42,17 @@ if _reason is not None and not _platform_was_set:
     del os.environ["VERL_PLATFORM"]  # a later test folder must not ask verl for a platform that is not there
 
 
+# a module uses verl when it imports it (or what imports it: our engines but the rollout engine's own modules, the
+# tools, Hydra) at top level, or uses it in a test's body (main_ppo, torchrun, Ray, the needs_verl fixture, vLLM,
+# verl's modules, our engines' test setup)
+_USES_VERL = re.compile(
+    r"^(?:from|import)\s+(?:verl|ray|hydra|omegaconf|verl_moe\.tools"
+    r"|verl_moe\.engines(?!\.rollout\.(?:engine|sampling|bench|exact_bench)\b))\b"
+    r"|main_ppo|torchrun|needs_verl|\bray\b|vllm|\bverl\.|engine_setup",
+    re.M,
+)
+
+
 class _Unrunnable(pytest.Module):
     """A test module of this folder, reported skipped with the reason instead of imported."""
 
@@ -48,7 +61,7 @@ class _Unrunnable(pytest.Module):
 
 
 def pytest_pycollect_makemodule(module_path, parent):
-    if _reason is not None:
+    if _reason is not None and _USES_VERL.search(module_path.read_text()):
         return _Unrunnable.from_parent(parent, path=module_path)
     return None
 
