@@ -178,6 +178,12 @@ class MoeDecoder:
             ValueError: no prompts, an empty prompt or one past the state's capacity, a token id
                 outside the vocabulary, slots that are not N distinct indices of the state, or bad starts.
         """
+        hidden, residual, cu = self._walk(prompts, state, slots, starts)
+        last = cu[1:].long() - 1  # each prompt's last token
+        return self._logits(hidden[last], residual[last])
+
+    def _walk(self, prompts, state: SlotState, slots, starts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`prefill`'s checks and layer walk: (hidden [T, D] before the final norm, its residual, cu [N+1])."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt, each with at least one token")
         S = state.num_slots
@@ -218,8 +224,17 @@ class MoeDecoder:
 
         hidden, residual = self._layers(hidden, mixer)
         state.lengths[slot_index] = lengths.to(device) + torch.tensor(starts, device=device)
-        last = cu[1:].long() - 1  # each prompt's last token
-        return self._logits(hidden[0, last], residual[0, last])
+        return hidden[0], residual[0], cu
+
+    @torch.no_grad()
+    def extend(self, chunks: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]) -> torch.Tensor:
+        """Feed each slot its chunk of tokens from the slot's length on (a fresh slot takes its prompt), as
+        `prefill` with the slots' lengths as starts; returns the final normed hidden state [T, D] of every fed
+        token, chunks packed in order (`MoeCausalLM.logits` of it: every position's logits, what verifying
+        drafted tokens needs)."""
+        starts = state.lengths[torch.tensor(list(slots), dtype=torch.long, device=self.device)].tolist()
+        hidden, residual, _ = self._walk(chunks, state, slots, starts)
+        return self.model.model.norm(hidden, residual=residual)[0]
 
     # ---- one token ---------------------------------------------------------------------------
 

@@ -1,11 +1,7 @@
-"""Decoding pieces for speculative decoding with Qwen3.5's MTP layer: the main model over several new tokens
-per slot with every token's hidden state, the MTP layer's own KV cache and its forward over slots, and a
-copy of the slots' recurrent state to roll a verification back.
+"""Decoding pieces for speculative decoding with Qwen3.5's MTP layer: the MTP layer's own KV cache and its
+forward over slots, and a copy of the slots' recurrent state to roll a verification back (the main model
+over several new tokens per slot, with every token's hidden state, is `MoeDecoder.extend`).
 
-- `extend_hidden(decoder, chunks, state, slots)`: each slot takes its chunk of tokens, continuing from its
-  length (a packed prefill with starts, `MoeDecoder.prefill`'s walk), and the final normed hidden state of
-  every token comes back (`MoeCausalLM.logits` of it: the logits of every position, what a verification
-  needs; `prefill` keeps only each prompt's last).
 - `MtpDrafter`: the MTP module's depth-1 step over slots. Its layer is a full-attention decoder layer, so its
   decode state is one KV cache [S, HKV, L, K] (`AttentionCache`). Position s of a slot holds the layer's
   keys and values for the input (main hidden state at s, embedding of token s+1), as the trainer's
@@ -37,53 +33,6 @@ def _packed(chunks: Sequence[Sequence[int]], starts: Sequence[int], device: torc
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
     cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
     return ids[None], positions[None], (cu, cu_cpu), positions
-
-
-@torch.no_grad()
-def extend_hidden(
-    decoder: MoeDecoder, chunks: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]
-) -> torch.Tensor:
-    """Feed each slot of `slots` its chunk of tokens, continuing from the slot's length (0: a fresh slot
-    takes its prompt), and advance the slots' state and lengths.
-
-    Args:
-        decoder: the main model's decoder; state: its slots.
-        chunks: N non-empty token-id lists; slots: N distinct slot indices.
-    Returns:
-        [T, D] the final normed hidden state of every fed token, chunks packed in order (T their total).
-    Raises:
-        ValueError: an empty chunk, slots that are not N distinct indices, or a slot past its capacity.
-    """
-    if not chunks or any(len(c) == 0 for c in chunks):
-        raise ValueError("extend needs at least one chunk, each with at least one token")
-    if len(slots) != len(chunks) or len(set(slots)) != len(slots):
-        raise ValueError(f"slots must be {len(chunks)} distinct indices, got {list(slots)}")
-    device = decoder.device
-    slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
-    starts = state.lengths[slot_index].tolist()
-    capacity = state.capacity
-    if capacity is not None and max(s + len(c) for s, c in zip(starts, chunks)) > capacity:
-        raise ValueError(f"a chunk runs past the slots' capacity of {capacity} positions")
-    ids, positions, offsets, token_pos = _packed(chunks, starts, device)
-    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long, device=device)
-    token_slot = slot_index.repeat_interleave(lengths)
-    fresh = not any(starts)
-    text = decoder.model.model
-    hidden = text.embed_tokens(ids)
-    cos, sin = text.rotary(positions, hidden.dtype)
-    caches = iter(state.layers)
-
-    def mixer(layer, x):
-        cache = next(caches)
-        if layer.layer_type == "linear_attention":
-            return layer.linear_attn.prefill(x, offsets, cache, slot_index, None if fresh else starts)
-        at = None if fresh else list(zip(slots, starts))
-        return layer.self_attn.prefill(x, cos, sin, offsets, cache, token_slot, token_pos, at)
-
-    # the decoder's own layer walk, so the residual adds and norms round as in prefill and step
-    hidden, residual = decoder._layers(hidden, mixer)
-    state.lengths[slot_index] += lengths
-    return text.norm(hidden, residual=residual)[0][0]
 
 
 @dataclass
@@ -179,4 +128,4 @@ def load_linear_state(state: SlotState, saved: dict[str, object], slots: Sequenc
         cache.recurrent[index] = recurrent[src]
 
 
-__all__ = ["MtpCache", "MtpDrafter", "extend_hidden", "load_linear_state", "save_linear_state"]
+__all__ = ["MtpCache", "MtpDrafter", "load_linear_state", "save_linear_state"]

@@ -160,6 +160,26 @@ def _transformers_rl(hf_model, requests) -> float:
     return ms
 
 
+def _reduced_model(layers: int, providers: tuple[str, ...]):
+    """(device, config, our bf16 model) of the reduced Qwen3.5-MoE with `layers` layers, seeded.
+
+    Raises:
+        ValueError: an unknown provider, or no accelerator (the reduced model needs ~10 GiB).
+    """
+    from ...models import build
+    from ...models.train_step_bench import reduced_config
+
+    unknown = sorted(set(providers) - set(PROVIDERS))
+    if unknown:
+        raise ValueError(f"unknown rollout bench provider(s) {unknown}; choices: {list(PROVIDERS)}")
+    if not devices.is_accelerator():
+        raise ValueError("verl-moe bench rollout needs a cuda or npu device (the reduced model)")
+    dev = devices.current_device()
+    torch.manual_seed(0)
+    config = reduced_config(layers)
+    return dev, config, build(config, dtype=torch.bfloat16, device=dev).eval()
+
+
 def run_rl(
     batch: int = 256,
     layers: int = 4,
@@ -172,18 +192,9 @@ def run_rl(
     and `decode_ms`, and `kept_s` (one engine kept across batches); `tokens_per_s` = generated tokens over
     `fresh_s`, `kept_tokens_per_s` over `kept_s`. transformers: one generate of the batch (left-padded, each
     row run to the longest stop), tokens/s counting the tokens the requests asked for."""
-    from ...models import build
-    from ...models.train_step_bench import build_hf, reduced_config
+    from ...models.train_step_bench import build_hf
 
-    unknown = sorted(set(providers) - set(PROVIDERS))
-    if unknown:
-        raise ValueError(f"unknown rollout bench provider(s) {unknown}; choices: {list(PROVIDERS)}")
-    if not devices.is_accelerator():
-        raise ValueError("verl-moe bench rollout needs a cuda or npu device (the reduced model)")
-    dev = devices.current_device()
-    torch.manual_seed(0)
-    config = reduced_config(layers)
-    model = build(config, dtype=torch.bfloat16, device=dev).eval()
+    dev, config, model = _reduced_model(layers, providers)
     batches = [rl_requests(batch, config.vocab_size, seed) for seed in range(3)]
     records = []
     for provider in providers:
@@ -254,18 +265,9 @@ def run(
     Raises:
         ValueError: an unknown provider, or no accelerator (the reduced model needs ~10 GiB).
     """
-    from ...models import build
-    from ...models.train_step_bench import build_hf, reduced_config
+    from ...models.train_step_bench import build_hf
 
-    unknown = sorted(set(providers) - set(PROVIDERS))
-    if unknown:
-        raise ValueError(f"unknown rollout bench provider(s) {unknown}; choices: {list(PROVIDERS)}")
-    if not devices.is_accelerator():
-        raise ValueError("verl-moe bench rollout needs a cuda or npu device (the reduced model)")
-    dev = devices.current_device()
-    torch.manual_seed(0)
-    config = reduced_config(layers)
-    model = build(config, dtype=torch.bfloat16, device=dev).eval()
+    dev, config, model = _reduced_model(layers, providers)
     vocab = config.vocab_size
     # warm-up batch of other lengths, then the measured lengths twice (new prompts each time)
     passes = [

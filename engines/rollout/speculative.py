@@ -8,7 +8,7 @@ Each round, for every running request (slot), batched over the requests:
    draft d_2, and so on up to k tokens (fewer near max_tokens). Draft tokens are drawn from the MTP
    layer's distribution q at the request's temperature (argmax for greedy requests);
 2. verify: one forward of the main model over the k + 1 positions (the token sampled last, then the
-   drafts), continuing the slot (`extend_hidden`), gives the target distributions p_0 .. p_k;
+   drafts), continuing the slot (`MoeDecoder.extend`), gives the target distributions p_0 .. p_k;
 3. accept (`accept_drafts`): d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection
    the round's last token is drawn from normalize(max(0, p - q)); when all k are kept, a bonus token from
    p_k. So every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023,
@@ -42,7 +42,7 @@ import torch
 
 from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
-from ...models.mtp_decode import MtpCache, MtpDrafter, extend_hidden, load_linear_state, save_linear_state
+from ...models.mtp_decode import MtpCache, MtpDrafter, load_linear_state, save_linear_state
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams, stream_seed
@@ -202,7 +202,7 @@ class SpeculativeEngine:
         slots = self._take_slots(requests)
         self.state.lengths[torch.tensor(slots, device=self.decoder.device)] = 0
         seqs = [_Seq(r, i, self._generator(r)) for r, i in zip(requests, slots)]
-        hidden = extend_hidden(self.decoder, [list(r.prompt_ids) for r in requests], self.state, slots)
+        hidden = self.decoder.extend([list(r.prompt_ids) for r in requests], self.state, slots)
         ends = torch.tensor([len(r.prompt_ids) for r in requests]).cumsum(0) - 1
         logits = self.model.logits(hidden[ends.to(hidden.device)])
         for n, s in enumerate(seqs):
@@ -272,7 +272,7 @@ class SpeculativeEngine:
         slots = [s.slot for s in seqs]
         saved = save_linear_state(self.state, slots)
         chunks = [[s.pending_tokens[-1]] + d for s, d in zip(seqs, drafts)]
-        hidden = extend_hidden(self.decoder, chunks, self.state, slots)
+        hidden = self.decoder.extend(chunks, self.state, slots)
         logits = self.model.logits(hidden).float()
         offsets = [0]
         for c in chunks:
@@ -296,7 +296,7 @@ class SpeculativeEngine:
             redo_slots = [slots[n] for n in redo]
             load_linear_state(self.state, saved, redo_slots)
             kept_chunks = [chunks[n][: outcomes[n][0] + 1] for n in redo]
-            again = extend_hidden(self.decoder, kept_chunks, self.state, redo_slots)
+            again = self.decoder.extend(kept_chunks, self.state, redo_slots)
             at = 0
             for n in redo:
                 size = outcomes[n][0] + 1

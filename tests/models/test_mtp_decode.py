@@ -3,7 +3,7 @@ decode step over its own KV cache, and the copy / restore of the slots' recurren
 
 Tolerances (fp32, the same ops in another packing):
 | what                                                               | tol (max abs) |
-| extend_hidden in chunks vs one forward of the whole sequence       | 1e-5          |
+| MoeDecoder.extend in chunks vs one forward of the whole sequence       | 1e-5          |
 | MtpDrafter in chunks vs `MoeCausalLM.mtp_hidden_states`            | 1e-5          |
 | restored state                                                     | bitwise       |
 """
@@ -13,7 +13,7 @@ import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.models.decode import LinearCache, MoeDecoder
-from verl_moe.models.mtp_decode import MtpDrafter, extend_hidden, load_linear_state, save_linear_state
+from verl_moe.models.mtp_decode import MtpDrafter, load_linear_state, save_linear_state
 
 TOL = 1e-5
 
@@ -36,7 +36,7 @@ def test_chunks_equal_one_forward(model):
     decoder = MoeDecoder(model)
     state = decoder.allocate(3, 16)
     cuts = [(0, 5), (5, 6), (6, 10), (10, 13)]
-    chunks = [extend_hidden(decoder, [ids[0, a:b].tolist()], state, [2]) for a, b in cuts]
+    chunks = [decoder.extend([ids[0, a:b].tolist()], state, [2]) for a, b in cuts]
     assert (torch.cat(chunks) - hidden).abs().max() <= TOL
     assert state.lengths.tolist() == [0, 0, 13]
 
@@ -51,10 +51,10 @@ def test_chunks_equal_one_forward(model):
 def test_restore_linear_state(model):
     decoder = MoeDecoder(model)
     state = decoder.allocate(2, 16)
-    extend_hidden(decoder, [[3, 4, 5], [6, 7]], state, [0, 1])
+    decoder.extend([[3, 4, 5], [6, 7]], state, [0, 1])
     saved = save_linear_state(state, [0, 1])
     before = [(c.conv.clone(), c.recurrent.clone()) for c in state.layers if isinstance(c, LinearCache)]
-    extend_hidden(decoder, [[8, 9], [10]], state, [0, 1])
+    decoder.extend([[8, 9], [10]], state, [0, 1])
     load_linear_state(state, saved, [1])
     assert state.lengths.tolist() == [5, 2]
     linear = [c for c in state.layers if isinstance(c, LinearCache)]
