@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from ..common.launch import cdiv, dot_dtype, dot_precision, grid_1d, launch, next_pow2
 
 # The first config is what the interpreter, deterministic mode and fp32 inputs run: small tiles that
-# fit registers and shared memory even with fp32 operands. The rest are for bf16 on an H200
+# fit registers and shared memory even with fp32 operands. The rest are for bf16 on Hopper-class GPUs
 # (2 CTAs of [128, 128] fp32 accumulators per SM at 8 warps, 3-4 stages of 64-deep K blocks).
 ROWS_CONFIGS = [
     {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 2},
@@ -44,9 +44,9 @@ DW_CONFIGS = [
     {"BO": 64, "BI": 128, "BM": 64, "num_warps": 4, "num_stages": 3},
 ]
 # Up to SMALL_ROWS_PER_EXPERT rows per expert on average (decoding: 256 sequences, top-8 of 64 experts,
-# is 32) the expert MLP's forward runs this kernel with one pinned config instead of F.grouped_mm. H200,
-# bf16, 32 rows x 64 experts: 73 us against grouped_mm's 92 for [1024, 2048] weights, 44 against 59 for
-# [2048, 512]; at 128 rows per expert they are even (grouped_mm pulls ahead above).
+# is 32) the expert MLP's forward runs this kernel with one pinned config instead of F.grouped_mm: with few
+# rows per expert it is the faster of the two, and F.grouped_mm pulls ahead at about 128 rows (the experts
+# bench, docs/ops.md).
 SMALL_ROWS_PER_EXPERT = 64
 SMALL_ROWS_CONFIGS = [ROWS_CONFIGS[4]]
 BK_MAX = 64  # reduction depth of one row-tile step (fixed, so EVEN_K is known before autotuning)
