@@ -241,14 +241,8 @@ def _kept_ms(model, graphs: bool, warm, measured) -> float:
     from .engine import GenerationEngine
 
     engine = GenerationEngine(model, [], seed=0, max_num_seqs=len(measured), device_graphs=graphs)
-
-    def generate(requests):
-        engine.add(requests)
-        while engine.num_running:
-            engine.step(64)
-
-    generate(warm)
-    return _synced(generate, measured)[0]
+    engine.generate(warm)
+    return _synced(engine.generate, measured)[0]
 
 
 def run(

@@ -106,10 +106,9 @@ def _trainer_log_probs(model, head, sequences, groups, dev) -> list[torch.Tensor
     return [out[n] for n in range(len(sequences))]
 
 
-def _mismatch(model, head, reqs, micro_batch_tokens: int, dev) -> tuple[dict, list, list]:
-    """A fresh engine generates `reqs`; the trainer's log-probs of the same sequences, packed into micro-batches
+def _mismatch(model, head, reqs, completions, micro_batch_tokens: int, dev) -> tuple[dict, list, list]:
+    """The trainer's log-probs of the rollout's sequences (`completions` of `reqs`), packed into micro-batches
     of at most `micro_batch_tokens`, against the rollout's: (the diff fields, sequences, micro-batches)."""
-    completions = generate_fresh(model, reqs, graphs=dev.type == "cuda")["done"]
     sequences = [list(r.prompt_ids) + c.token_ids for r, c in zip(reqs, completions)]
     groups = _micro_batches([len(s) for s in sequences], micro_batch_tokens)
     trainer = _trainer_log_probs(model, head, sequences, groups, dev)
@@ -143,7 +142,8 @@ def _ablation(model, fast_ops, exact_ops, reqs, micro_batch_tokens: int, dev) ->
     records = []
     for op, direction, ops, head in runs:
         use_ops(model, ops)
-        fields, _, _ = _mismatch(model, heads[head], reqs, micro_batch_tokens, dev)
+        completions = generate_fresh(model, reqs, graphs=dev.type == "cuda")["done"]
+        fields, _, _ = _mismatch(model, heads[head], reqs, completions, micro_batch_tokens, dev)
         records.append({"mode": "ablation", "op": op, "direction": direction, **fields})
     use_ops(model, fast_ops)
     return records
@@ -196,8 +196,8 @@ def run(
         devices.empty_cache()
         devices.reset_peak_memory_stats()
         cold_s, _ = _seconds(_generate, model, reqs)
-        prefill_s, decode_s, _ = _generate(model, reqs)
-        fields, sequences, groups = _mismatch(model, head, reqs, micro_batch_tokens, dev)
+        prefill_s, decode_s, completions = _generate(model, reqs)
+        fields, sequences, groups = _mismatch(model, head, reqs, completions, micro_batch_tokens, dev)
         steps = max(r.params.max_tokens for r in reqs) - 1
         record = {
             "mode": mode,
