@@ -195,7 +195,8 @@ def _step_cells(r: dict) -> list[str]:
     """A training-step row's ms, kernel ms, busy share, tokens/s, MFU, peak GiB and loss difference cells
     (a row that did not run: why, and the memory it asked for)."""
     if "error" in r:
-        asked = f" (asked for {num(r['asked_gib'], 3)} GiB)" if r.get("asked_gib") == r.get("asked_gib") else ""
+        gib = r.get("asked_gib", float("nan"))  # only out-of-memory rows carry it; NaN: no allocation named
+        asked = f" (asked for {num(gib, 3)} GiB)" if gib == gib else ""
         return [f"not run: {r['error'].split(':')[0]}{asked}"] + [""] * 6
     return [
         num(r["ms"]),

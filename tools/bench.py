@@ -275,11 +275,8 @@ def _cell(value) -> str:
 def print_row(row: dict) -> None:
     """One progress line per measured row (the table follows at the end)."""
     if "error" in row:
-        asked = (
-            f" (asked for {row['asked_gib']:.2f} GiB)"
-            if row.get("asked_gib", float("nan")) == row.get("asked_gib")
-            else ""
-        )
+        gib = row.get("asked_gib", float("nan"))
+        asked = f" (asked for {gib:.2f} GiB)" if gib == gib else ""  # NaN: the message named no allocation
         print(f"{row['case']} {row['mode']} {row['provider']}: not run: {row['error']}{asked}", flush=True)
         return
     derived = "".join(f", {k} {_cell(row[k])}" for k in _extra_columns(row) if not k.startswith(RATIO_PREFIXES))
