@@ -2,7 +2,7 @@
 (forward, then backward) and of a whole decode, grouped by kernel name, on the reduced Qwen3.5-MoE of
 `verl-moe bench exact` with its RL-shaped requests.
 
-python benchmarks/profile_exact.py [requests] [layers] > profile.txt
+python benchmarks/profile_exact.py [requests] [layers] [modes, default fast,exact] > profile.txt
 """
 
 import sys
@@ -74,5 +74,5 @@ def profile_mode(mode):
     model.zero_grad(set_to_none=True)
 
 
-for mode in ("fast", "exact"):
+for mode in (sys.argv[3] if len(sys.argv) > 3 else "fast,exact").split(","):
     profile_mode(mode)

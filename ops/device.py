@@ -114,6 +114,19 @@ def memory_stats() -> dict[str, float]:
     }
 
 
+def shared_memory_per_block() -> int:
+    """Bytes of shared memory one kernel block may use on the current cuda device (its opt-in maximum);
+    0 elsewhere (cpu, npu: callers fall back to their smallest tiles)."""
+    if device_type() != "cuda":
+        return 0
+    return _cuda_shared_memory(torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
 def max_memory_allocated() -> int:
     """Peak allocated bytes on the accelerator (0 on CPU)."""
     return 0 if device_type() == "cpu" else device_module().max_memory_allocated()

@@ -39,6 +39,13 @@ def grid_1d(n_tiles: int) -> tuple[int]:
     return (max(1, min(int(n_tiles), GRID_LIMIT)),)
 
 
+def stages_fit(config: dict, bk: int, element_bytes: int = 2) -> bool:
+    """Whether a GEMM config's pipelined operand tiles (num_stages x (BM + BN) x bk elements) fit in the
+    shared memory one block may use on this device (never on cpu / npu, where callers keep small tiles)."""
+    need = config["num_stages"] * (config["BM"] + config["BN"]) * bk * element_bytes
+    return 0 < need <= device.shared_memory_per_block()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Precision of fp32 x fp32 tl.dot: exact ("ieee") for fp32 inputs, so fp32 mode has no TF32;
     "tf32" for 16-bit inputs on CUDA, whose error budget is set by the 16-bit storage anyway."""

@@ -1,19 +1,22 @@
-"""Exact mode's causal conv1d, on every device: every token of a packed batch goes through the decode
-step's arithmetic with its own W-1 predecessors as the state, so a token's output is bitwise the decode
-step's at the same position. The taps are added one at a time in order (`taps_in_order`): elementwise
-operations only, whose result for one element never depends on the shape of the call (a reduction's split
-may, on a GPU). Its gradient is the fast form's (the reference on cpu, the Triton kernel on devices),
-recomputed in backward.
+"""Exact mode's causal conv1d. On cpu every token of a packed batch goes through the decode step's
+arithmetic with its own W-1 predecessors as the state, so a token's output is bitwise the decode step's at
+the same position: the taps are added one at a time in order (`taps_in_order`), elementwise operations
+whose result for one element never depends on the shape of the call; the gradient is the reference's,
+recomputed in backward. On devices the fast Triton kernels are exact already: the packed forward and the
+step add the bias, then the taps in order, by the same operations per element whatever their tiles
+(`conv._conv1d_pre`, `step_kernel`), and the packed forward keeps its own backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..exact import by_device, device_default, exact_forward
+from ..exact import by_device, exact_forward
 from ..varlen import HostOffsets, sequence_starts
+from .conv import causal_conv1d as causal_conv1d_triton
 from .reference import causal_conv1d_ref, check_conv1d_inputs
 from .step import conv1d_step
+from .step_kernel import causal_conv1d_step_triton
 
 
 def taps_in_order(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -24,9 +27,13 @@ def taps_in_order(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def causal_conv1d_step_exact(x, conv_state, weight, bias=None, activation="silu", active=None, inplace=False):
+def _step_by_taps(x, conv_state, weight, bias=None, activation="silu", active=None, inplace=False):
     """The `conv1d.step` op's contract (`step.causal_conv1d_step_ref`) with the taps added in order."""
     return conv1d_step(x, conv_state, weight, bias, activation, active, inplace, taps_in_order)
+
+
+# the dispatched "exact" step: the taps in order on cpu, the fast step kernel (the same order) on devices
+causal_conv1d_step_exact = by_device(_step_by_taps, causal_conv1d_step_triton)
 
 
 def _conv1d_by_steps(
@@ -41,11 +48,12 @@ def _conv1d_by_steps(
     index = torch.arange(B * T, device=x.device)[:, None] + torch.arange(1 - W, 0, device=x.device)  # [BT, W-1]
     before = (index < start[:, None])[..., None]  # predecessors outside the token's sequence read as zeros
     state = torch.where(before, 0, rows[index.clamp(min=0)]).transpose(1, 2)  # [BT, C, W-1], oldest first
-    out, _ = causal_conv1d_step_exact(rows, state, weight, bias, activation)
+    out, _ = _step_by_taps(rows, state, weight, bias, activation)
     return out.reshape(B, T, C)
 
 
-# the dispatched "exact" conv1d: the step's arithmetic per token forward, the fast form's gradient
-causal_conv1d_exact = exact_forward(_conv1d_by_steps, by_device(causal_conv1d_ref, device_default("conv1d")))
+# the dispatched "exact" conv1d: on cpu the step's arithmetic per token forward, the reference's gradient; on
+# devices the fast kernel, forward and backward
+causal_conv1d_exact = by_device(exact_forward(_conv1d_by_steps, causal_conv1d_ref), causal_conv1d_triton)
 
 __all__ = ["causal_conv1d_exact", "causal_conv1d_step_exact", "taps_in_order"]

@@ -43,7 +43,8 @@ def _conv1d_step_kernel(
     HAS_ACTIVE: tl.constexpr,
 ):
     """window[c, j] = state[c, j] for j < W - 1, x[c] at j = W - 1 (in x's dtype, as the reference
-    concatenates them); out = act(sum_j window * weight + bias) in fp32; new state = window[:, 1:].
+    concatenates them); out = act(bias + window[:, 0] * weight[:, 0] + ...) in fp32, the taps in order as
+    the packed forward adds them, so a token's output is bitwise that kernel's; new state = window[:, 1:].
     new_state may be state itself: a tile reads both of its loads before its one store."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     NC = tl.cdiv(C, BC)
@@ -53,14 +54,17 @@ def _conv1d_step_kernel(
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
         b_x = tl.load(x + i_n.to(tl.int64) * C + o_c, mask=m_c, other=0.0)
-        p_s = i_n.to(tl.int64) * C * (W - 1) + o_c[:, None] * (W - 1) + o_w[None, :]
+        p_s0 = i_n.to(tl.int64) * C * (W - 1) + o_c * (W - 1)  # each channel's oldest state column
+        p_s = p_s0[:, None] + o_w[None, :]
         m_s = m_c[:, None] & (o_w[None, :] < W - 1)
-        b_win = tl.load(state + p_s, mask=m_s, other=0.0).to(b_x.dtype)
-        b_win = tl.where(o_w[None, :] == W - 1, b_x[:, None], b_win)
-        b_w = tl.load(weight + o_c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0.0)
-        b_o = tl.sum(b_win.to(tl.float32) * b_w.to(tl.float32), 1)
+        # the packed forward's arithmetic (`conv._conv1d_pre`): the bias, then the taps added in order
+        b_o = tl.zeros([BC], dtype=tl.float32)
         if HAS_BIAS:
             b_o += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+        for j in tl.static_range(W - 1):
+            b_col = tl.load(state + p_s0 + j, mask=m_c, other=0.0).to(b_x.dtype)
+            b_o += b_col.to(tl.float32) * tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+        b_o += b_x.to(tl.float32) * tl.load(weight + o_c * W + W - 1, mask=m_c, other=0.0).to(tl.float32)
         if SILU:
             b_o = b_o * tl.sigmoid(b_o)
         tl.store(out + i_n.to(tl.int64) * C + o_c, b_o.to(out.dtype.element_ty), mask=m_c)

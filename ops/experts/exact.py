@@ -11,15 +11,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common.launch import stages_fit
 from ..exact import by_device, device_default, exact_forward
 from ..linear.exact import linear_rows
 from .grouped import grouped_mm_takes
-from .grouped_gemm import ROWS_CONFIGS, grouped_gemm_rows
+from .grouped_gemm import BK_MAX, ROWS_CONFIGS, grouped_gemm_rows
 from .mlp import experts_mlp
 from .permute import moe_sort
 from .reference import check_experts_inputs, empty_experts, moe_experts_ref
 
-EXACT_ROWS_CONFIGS = tuple(ROWS_CONFIGS[:1])  # one tile config for every call: a row's result is its own
+
+def exact_rows_configs() -> tuple[dict]:
+    """The one tile config of every exact expert GEMM on this device, so a row's result is its own: the
+    128 x 128 tiles where their stages fit in shared memory (on an H100 the fastest of the row-GEMM configs
+    both at a decode step's rows and a training micro-batch's), else the smallest."""
+    return (ROWS_CONFIGS[1],) if stages_fit(ROWS_CONFIGS[1], BK_MAX) else (ROWS_CONFIGS[0],)
 
 
 def _experts_by_rows(hidden, gate_up_proj, down_proj, topk_idx, topk_weight):
@@ -43,7 +49,7 @@ def _experts_grouped_rows(hidden, gate_up_proj, down_proj, topk_idx, topk_weight
     I = down_proj.shape[2]
     routing = moe_sort(topk_idx.reshape(-1), gate_up_proj.shape[0])  # no host sync: graph-capturable
     order = routing.src.long()
-    fixed = list(EXACT_ROWS_CONFIGS)
+    fixed = list(exact_rows_configs())
     h = grouped_gemm_rows(hidden[order // TOPK], gate_up_proj.transpose(1, 2), routing.ends, fixed)
     out = grouped_gemm_rows(F.silu(h[:, :I]) * h[:, I:], down_proj.transpose(1, 2), routing.ends, fixed)
     y = torch.empty_like(out)
@@ -67,7 +73,7 @@ def _experts_by_groups(hidden, gate_up_proj, down_proj, topk_idx, topk_weight):
         return _experts_grouped_rows_exact(hidden, gate_up_proj, down_proj, topk_idx, topk_weight)
     routing = moe_sort(topk_idx.reshape(-1), gate_up_proj.shape[0])
     w = topk_weight.reshape(-1).float()
-    return experts_mlp(hidden, gate_up_proj, down_proj, w, routing, topk_idx.shape[1], EXACT_ROWS_CONFIGS)
+    return experts_mlp(hidden, gate_up_proj, down_proj, w, routing, topk_idx.shape[1], exact_rows_configs())
 
 
 def _combine(y: torch.Tensor, topk_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Exact mode's Triton forms (`ops/*/exact_kernel.py`, the forms exact mode runs on devices): each row's
-result is bitwise independent of the rest of the call (other rows, their number, packed forward vs decode
-step), and the values match the fp64 references. On CPU they run in the Triton interpreter at small sizes;
+"""Exact mode's Triton forms (`ops/*/exact_kernel.py`, and the fast kernels exact mode keeps on devices):
+each row's result is bitwise independent of the rest of the call (other rows, their number, packed forward
+vs decode step), and the values match the fp64 references. On CPU they run in the Triton interpreter at small sizes;
 on a GPU in the real kernels, where the property is the point.
 
 Tolerances (rel RMS against the fp64 reference on the same inputs; 16-bit operands of tensor-core dots on
@@ -15,6 +15,9 @@ import torch
 from verl_moe.ops import device
 from verl_moe.ops.attention.exact import attention_rows
 from verl_moe.ops.attention.exact_kernel import attention_rows_triton
+from verl_moe.ops.conv1d.conv import causal_conv1d as causal_conv1d_triton
+from verl_moe.ops.conv1d.reference import causal_conv1d_ref
+from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
 from verl_moe.ops.experts import moe_experts_ref
 from verl_moe.ops.experts.exact import _experts_by_groups
 from verl_moe.ops.gdn import chunk_gated_delta_rule_ref
@@ -37,12 +40,14 @@ def _randn(*shape, dtype=torch.float32, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_rows_kernel_rows_are_their_own(dtype):
+@pytest.mark.parametrize("K, N", [(80, 600), (128, 200), (128, 2600)])  # K partly or wholly in blocks; N's configs
+def test_linear_rows_kernel_rows_are_their_own(dtype, K, N):
+    """Rows in several row-block groups and column blocks: each row's result equals that row's alone."""
     torch.manual_seed(0)
-    x, w, b = _randn(37, 80, dtype=dtype), _randn(136, 80, dtype=dtype), _randn(136, dtype=dtype)
+    x, w, b = _randn(300, K, dtype=dtype), _randn(N, K, dtype=dtype), _randn(N, dtype=dtype)
     out = linear_rows_triton(x, w, b)
     assert_rel_rms("linear", x.double() @ w.double().T + b.double(), out, TOL[dtype])
-    for rows in (slice(0, 1), slice(3, 4), slice(5, 30), slice(36, 37)):
+    for rows in (slice(0, 1), slice(3, 4), slice(5, 30), slice(36, 37), slice(130, 299)):
         assert torch.equal(linear_rows_triton(x[rows], w, b), out[rows])
     wide = linear_rows_triton(x, w, out_dtype=torch.float32)
     assert wide.dtype == torch.float32 and torch.equal(
@@ -163,3 +168,26 @@ def test_norm_first_config_rows_are_their_own():
     out = rms_norm(x, w, 1e-6, True, first_config=True)
     assert_rel_rms("norm", rms_norm_ref(x.double(), w.double(), 1e-6, unit_offset=True), out, 1e-2)
     assert torch.equal(rms_norm(x[9:10], w, 1e-6, True, first_config=True), out[9:10])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv1d_kernels_packed_equals_steps(dtype, with_bias):
+    """The Triton packed forward (exact mode's conv1d on devices) and the Triton step (its decode step)
+    give each token bitwise the same output: stepping every sequence from a zero state, a batch of one
+    position of each per call, reproduces the packed forward; values match the reference."""
+    torch.manual_seed(7)
+    C, W, lengths = 72, 4, [1, 9, 3, 6]
+    x = _randn(1, sum(lengths), C, dtype=dtype)
+    weight, bias = _randn(C, W, dtype=dtype), _randn(C, dtype=dtype) if with_bias else None
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    packed = causal_conv1d_triton(x, weight, bias, "silu", torch.tensor(cu, device=DEV, dtype=torch.int32), cu)
+    ref = causal_conv1d_ref(x.double(), weight.double(), None if bias is None else bias.double(), "silu",
+                            torch.tensor(cu, device=DEV, dtype=torch.int32), cu)  # fmt: skip
+    assert_rel_rms("conv1d", ref, packed, TOL[dtype])
+    state = torch.zeros(len(lengths), C, W - 1, device=DEV, dtype=dtype)
+    for t in range(max(lengths)):
+        live = [n for n, n_len in enumerate(lengths) if t < n_len]
+        rows = x[0, [cu[n] + t for n in live]]
+        out, state[live] = causal_conv1d_step_triton(rows, state[live], weight, bias, "silu")
+        assert torch.equal(out, packed[0, [cu[n] + t for n in live]]), t
