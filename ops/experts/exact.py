@@ -23,8 +23,8 @@ from .reference import check_experts_inputs, empty_experts, moe_experts_ref
 
 def exact_rows_configs() -> tuple[dict]:
     """The one tile config of every exact expert GEMM on this device, so a row's result is its own: the
-    128 x 128 tiles where their stages fit in shared memory (on an H100 the fastest of the row-GEMM configs
-    both at a decode step's rows and a training micro-batch's), else the smallest."""
+    128 x 128 tiles where their stages fit in shared memory (the fastest of the row-GEMM configs at both a
+    decode step's rows and a training micro-batch's: `benchmarks/exact_tiles.py`), else the smallest."""
     return (ROWS_CONFIGS[1],) if stages_fit(ROWS_CONFIGS[1], BK_MAX) else (ROWS_CONFIGS[0],)
 
 

@@ -20,8 +20,8 @@ import triton.language as tl
 from ..common.launch import cdiv, dot_dtype, dot_precision, grid_1d, launch, stages_fit
 
 # Configs of 16-bit operands by the projection's width N (fixed per weight, never by the row count M), each
-# list in order of preference, the first whose stages fit in shared memory taken (`exact_config`). Measured on
-# an H100 at 256 rows (a decode step) and 16,384 (a training micro-batch), `benchmarks/exact_tiles.py`: wide
+# list in order of preference, the first whose stages fit in shared memory taken (`exact_config`). Chosen by
+# `benchmarks/exact_tiles.py` at 256 rows (a decode step) and 16,384 (a training micro-batch): wide
 # outputs run fastest in the large tiles at both; at 256 rows an output of N <= 2048 in 128 x 256 tiles
 # leaves most SMs idle (N = 2048: 16 tiles), so narrower widths take narrower tiles.
 CONFIG_16 = {"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}  # fits everywhere
