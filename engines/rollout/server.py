@@ -201,8 +201,9 @@ class MoeRolloutServer:
 
     async def _serve(self) -> None:
         """Drive the engine until no request is queued or running (a wave), then log the wave's
-        requests, tokens and wall time."""
-        start, wave = time.perf_counter(), {"requests": 0, "tokens": 0, "calls": 0}
+        requests, tokens, wall time and the part of it spent in engine calls (the rest is waiting for
+        requests to arrive and the server's own work)."""
+        start, wave = time.perf_counter(), {"requests": 0, "tokens": 0, "calls": 0, "engine_s": 0.0}
         await asyncio.sleep(self.options.batch_wait_ms / 1000)  # let a batch gather
         while self._queue or self._running:
             async with self._lock:
@@ -213,7 +214,9 @@ class MoeRolloutServer:
                 for request, future in admitted:
                     self._running[request.request_id] = future
                 try:
+                    call_start = time.perf_counter()
                     result = await self.engine.call("run", [r for r, _ in admitted], self.options.steps_per_call)
+                    wave["engine_s"] += time.perf_counter() - call_start
                 except Exception as exc:
                     await self._fail_running(exc)
                     continue
@@ -224,13 +227,15 @@ class MoeRolloutServer:
             await asyncio.sleep(0)  # let control calls (abort, sleep) and new requests in between calls
         seconds = time.perf_counter() - start
         logger.info(
-            "verl_moe rollout replica %d: %d requests, %d tokens in %.2f s (%.0f tokens/s, %d engine calls)",
+            "verl_moe rollout replica %d: %d requests, %d tokens in %.2f s (%.0f tokens/s, %d engine calls "
+            "taking %.2f s)",
             self.replica_rank,
             wave["requests"],
             wave["tokens"],
             seconds,
             wave["tokens"] / seconds,
             wave["calls"],
+            wave["engine_s"],
         )
 
     async def _fail_running(self, exc: Exception) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -262,10 +263,13 @@ def test_server_generate_batched_greedy_follows_weight_updates(caplog):
         return first, await generate_all("b")
 
     results = asyncio.run(scenario())
-    waves = [r.getMessage() for r in caplog.records if " engine calls)" in r.getMessage()]
+    waves = [r.getMessage() for r in caplog.records if " engine calls taking " in r.getMessage()]
     generated = [sum(len(out.token_ids) for out in outs) for outs in results]
-    # one summary per wave: every request of the wave and every token it generated
+    # one summary per wave: every request of the wave and every token it generated, and the engine's share
     assert [f"{len(PROMPTS)} requests, {n} tokens in" in w for w, n in zip(waves, generated)] == [True, True]
+    for wave in waves:
+        wall, engine = (float(x) for x in re.search(r"in ([0-9.]+) s .* taking ([0-9.]+) s", wave).groups())
+        assert 0 < engine <= wall
     for policy, step, outs in zip((model, updated), (3, 4), results):
         for prompt, out in zip(PROMPTS, outs):
             assert len(out.token_ids) == config.response_length  # no max_tokens sent: capped at response_length
