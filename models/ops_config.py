@@ -36,7 +36,9 @@ class OpsConfig:
     Attributes:
         gdn, norm, rope, conv1d, attention, router, experts, logprob: an implementation name from the op's
             `IMPLS` (e.g. "torch", "triton", "fla"), or "auto" for `verl_moe.ops.resolve`'s default
-            (VERL_MOE_OPS, else triton on cuda/npu when the op has a kernel, else torch).
+            (VERL_MOE_OPS, else triton on cuda/npu when the op has a kernel, else torch). "exact" gives the
+            op's exact form in the trainer and in the rollout's decode step alike (gdn="exact": fast mode
+            with exact mode's gated delta rule, the op that carries most of fast mode's mismatch).
         router_dtype: "fp32" (default), "fp64", "bf16" (for ablations), or "model". transformers computes the router
             GEMM in the model dtype (bf16 in training) and only the softmax in fp32; "fp32"
             computes the GEMM, softmax, top-k and combine weights in fp32, "model" keeps every
@@ -99,9 +101,13 @@ class OpsConfig:
 
     def impl(self, op: str) -> str | None:
         """The implementation name to pass to `verl_moe.ops.resolve` for `op` (None for "auto"): exact
-        mode's (`EXACT_IMPLS`) when exact, else the field's for an op with a field, else None."""
+        mode's (`EXACT_IMPLS`) when exact, else the field's for an op with a field; a decoding op
+        ("gdn.step", "attention.decode", ...) takes "exact" where its op's field is "exact" (the pair that
+        computes the same numbers in the trainer and the rollout), else None."""
         if self.exact:
             return EXACT_IMPLS[op]
+        if "." in op:
+            return "exact" if getattr(self, op.split(".")[0], "auto") == "exact" else None
         value = getattr(self, op, "auto")
         return None if value == "auto" else value
 

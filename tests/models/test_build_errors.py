@@ -65,3 +65,20 @@ def test_build_refuses_unknown_op_keys_and_bad_values():
         vm.build(tiny_qwen3_moe(), ops={"norm": None})
     with pytest.raises(ValueError, match="choices"):
         vm.build(tiny_qwen3_moe(), ops={"norm": "nonexistent"})
+
+
+def test_an_op_set_exact_takes_its_decoding_pair_with_it():
+    """Fast mode with one op exact (gdn="exact"): the trainer's form and the rollout's decode-step form both
+    exact, the pair that computes the same numbers; every other op at its default."""
+    from verl_moe.ops import resolve
+
+    model = vm.build(tiny_qwen3_5_moe_text(), ops={"gdn": "exact"})
+    ops, default = model.ops, resolve_ops(vm.OpsConfig(), model.arch, torch.float32)
+    assert (ops.gdn, ops.gdn_step) == (resolve("gdn", "exact"), resolve("gdn.step", "exact"))
+    assert (default.gdn, default.gdn_step) != (ops.gdn, ops.gdn_step)
+    for field in ("attention", "attention_decode", "attention_cached", "conv1d", "conv1d_step", "norm", "linear"):
+        assert getattr(ops, field) == getattr(default, field), field
+    attention = resolve_ops(vm.OpsConfig(attention="exact"), model.arch, torch.float32)
+    assert attention.attention_decode == resolve("attention.decode", "exact")
+    assert attention.attention_cached == resolve("attention.cached", "exact")
+    assert attention.gdn_step == default.gdn_step
