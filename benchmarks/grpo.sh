@@ -18,6 +18,8 @@
 #                                   rollout correction in bypass mode: the rollout's log-probs are the old
 #                                   log-probs, no old-log-prob pass (results named *_exact); on CPU the run
 #                                   also needs ATEN_CPU_CAPABILITY=default, which the script then sets
+#   GDN_EXACT=1                     fast mode with exact mode's gated delta rule in actor, reference and
+#                                   rollout (`ops.gdn=exact`, docs/exact.md; results named *_gdn_exact)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-grpo_out} && mkdir -p "$OUT"
@@ -39,6 +41,10 @@ if [ "${EXACT:-0}" = 1 ]; then
   SCALE+=(actor_rollout_ref.actor.fsdp_config.ops.exact=true actor_rollout_ref.ref.fsdp_config.ops.exact=true
     +actor_rollout_ref.rollout.engine_kwargs.verl_moe.ops.exact=true actor_rollout_ref.rollout.calculate_log_probs=true
     algorithm.rollout_correction.bypass_mode=true)
+fi
+if [ "${GDN_EXACT:-0}" = 1 ]; then
+  SCALE+=(actor_rollout_ref.actor.fsdp_config.ops.gdn=exact actor_rollout_ref.ref.fsdp_config.ops.gdn=exact
+    +actor_rollout_ref.rollout.engine_kwargs.verl_moe.ops.gdn=exact)
 fi
 if [ "${SAMPLE:-0}" = 1 ]; then
   export PYTHONPATH=$PWD/benchmarks/sampler${PYTHONPATH:+:$PYTHONPATH} VERL_MOE_SAMPLE_DIR=$OUT/samples
@@ -70,6 +76,7 @@ fi
 NAME=rollout_grpo_${SIZE}_L4 && [ "$SIZE" = tiny ] && NAME=rollout_grpo_tiny
 [ "$FREE" = true ] && NAME=${NAME}_free_cache
 [ "${EXACT:-0}" = 1 ] && NAME=${NAME}_exact
+[ "${GDN_EXACT:-0}" = 1 ] && NAME=${NAME}_gdn_exact
 cp "$WORK/tiny_cpu.jsonl" "$RESULTS/$NAME.jsonl" || { echo "no metrics file $WORK/tiny_cpu.jsonl"; exit 1; }
 # the record scripts/benchmarks_md.py reads: what ran, where, on which code
 "$PY" - "$RESULTS/$NAME.json" "$NAME.jsonl" "${#SETUP[@]}" "${SETUP[@]}" "${TRAIN[@]}" <<'PYEOF'
