@@ -83,6 +83,21 @@ def test_triton_kernel_draws_the_fp64_inverse_cdf(dtype, chunk):
     _assert_valid_draws(*sample_tokens_triton(*args, chunk=chunk), *args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_device_form_draws_the_fp64_inverse_cdf(dtype):
+    """Exact mode's draw on devices (interpreter on CPU): the kernel's token, its log-prob by the exact head's
+    computation, logit x fp32(1 / T) - the head's normaliser, bitwise; valid draws against fp64."""
+    from verl_moe.ops.logprob.exact_kernel import scaled_logsumexp_triton
+    from verl_moe.ops.sampling.exact import _sample_by_kernel
+
+    args = _inputs(12, 9000, dtype)
+    tokens, lps = _sample_by_kernel(*args)
+    _assert_valid_draws(tokens, lps, *args)
+    logits, inv_t = args[0].float(), 1.0 / args[1].float()
+    head = logits.gather(-1, tokens[:, None])[:, 0] * inv_t - scaled_logsumexp_triton(logits, inv_t)
+    assert torch.equal(lps, head)
+
+
 def test_triton_kernel_skips_masked_chunks_and_finds_the_first_maximum():
     """Whole chunks of -inf (the first one among them) are never drawn and carry weight 0; a maximum
     repeated in two chunks gives a greedy row the first."""
