@@ -6,8 +6,8 @@ import sys
 
 import torch
 from verl_moe.models import OpsConfig, build
+from verl_moe.ops.compare import rel_rms
 from verl_moe.ops.logprob.reference import logprobs_from_logits_ref
-from verl_moe.ops.testing import rel_rms
 from verl_moe.tools.align.data import get_preset, hf_config
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "mid-qwen3.5-moe"

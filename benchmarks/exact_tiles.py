@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 from verl_moe.models import build
-from verl_moe.models.train_step_bench import reduced_config
 from verl_moe.ops.experts import grouped_gemm
 from verl_moe.ops.experts.mlp import experts_mlp
 from verl_moe.ops.experts.permute import moe_sort
 from verl_moe.ops.linear import exact_kernel
 from verl_moe.ops.logprob.exact import ROWS_PER_PASS
+from verl_moe.tools.bench.model import reduced_config
 
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 dev = torch.device("cuda")

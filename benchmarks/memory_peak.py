@@ -16,7 +16,7 @@ import os
 from collections import defaultdict
 
 import torch
-from verl_moe.models import train_step_bench as bench
+from verl_moe.tools.bench import model as bench
 
 # the package's root (a checkout's root, or site-packages/verl_moe): frames under it are ours
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))

@@ -9,12 +9,12 @@ import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from verl_moe.engines.rollout import exact_bench as eb
-from verl_moe.engines.rollout.bench import rl_requests
 from verl_moe.models import OpsConfig, build
 from verl_moe.models.causal_lm import resolve_ops
-from verl_moe.models.train_step_bench import reduced_config
 from verl_moe.ops.logprob import logprob_head
+from verl_moe.tools.bench import exact as eb
+from verl_moe.tools.bench.model import reduced_config
+from verl_moe.tools.bench.rollout import rl_requests
 
 requests = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
 from verl_moe.engines.rollout.sampling import SamplingParams
 from verl_moe.models import build
-from verl_moe.models.train_step_bench import reduced_config
+from verl_moe.tools.bench.model import reduced_config
 
 sequences = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 64

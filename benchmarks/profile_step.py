@@ -89,7 +89,7 @@ def host_gaps(trace: dict, min_gap_us: float = 2.0, package_root: str | None = N
 def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from verl_moe.models import train_step_bench as bench
+    from verl_moe.tools.bench import model as bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", type=int, nargs="?", default=8192)

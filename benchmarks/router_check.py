@@ -1,9 +1,9 @@
 """Router gradients on the GPU: ours (triton) and the fp32 torch reference, each against fp64 (Qwen3.5 router)."""
 
 import torch
+from verl_moe.ops.compare import rel_rms
 from verl_moe.ops.router.reference import route_ref
 from verl_moe.ops.router.topk import route_triton
-from verl_moe.ops.testing import rel_rms
 
 torch.manual_seed(0)
 h = torch.randn(16384, 2048, device="cuda").bfloat16()

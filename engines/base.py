@@ -43,7 +43,7 @@ from verl_moe.engines.config import (
     vision_switch,
 )
 from verl_moe.engines.logprob_model import LogProbModel, packed_log_probs
-from verl_moe.engines.placement import move_module, move_optimizer_state
+from verl_moe.engines.offload import move_module, move_optimizer_state
 from verl_moe.engines.value_model import ValueModel, check_value_model_config, is_value_role, packed_values
 from verl_moe.models import build, from_pretrained, lora
 from verl_moe.models.fsdp_plan import (

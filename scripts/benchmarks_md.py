@@ -42,8 +42,8 @@ OP_TITLES = {
     "experts": "experts: routed SwiGLU experts (token moves + grouped GEMM)",
     "logprob": "logprob: LM head + temperature + log-prob + entropy without [N, VOCAB] logits",
 }
-# `verl-moe bench veomni` / `bench transformers` (integrations/*_bench.py): the anchor provider of each, the
-# one its other rows are compared with
+# `verl-moe bench veomni` / `bench transformers` (tools/bench/veomni.py, tools/bench/transformers.py): the anchor
+# provider of each, the one its other rows are compared with
 INTEGRATION_ANCHORS = {"veomni": "veomni", "transformers": "transformers"}
 VERSION_KEYS = ("torch", "triton", "transformers", "verl", "fla-core", "liger-kernel", "veomni", "megatron-core", "ray")
 
@@ -237,7 +237,7 @@ def integration_section(op: str, reports: list[tuple[str, dict]]) -> str:
     anchor_name = INTEGRATION_ANCHORS[op]
     anchors = {(r["case"], r["mode"]): r for r in rows if r["provider"] == anchor_name}
     fla = any("fla" in r for r in rows)
-    # integrations/bench.py::step_row divides models/flops.py's count (the rows do not carry it)
+    # tools/bench/integrations.py::step_row divides models/flops.py's count (the rows do not carry it)
     header = ["case", "provider"] + (["fla"] if fla else []) + ["ms", "kernel ms", "busy", "tokens/s"]
     header.append("MFU (model FLOPs)")
     header += ["peak GiB", "loss rel. diff", "tokens/s / anchor's", "peak / anchor's"]
@@ -421,7 +421,7 @@ def exact_section(reports: list[tuple[str, dict]]) -> str:
 
 def ablation_table(records: list[dict]) -> str:
     """Fast mode's rollout-vs-trainer mismatch by op: the fast model with one op group exact, the exact model with
-    one op group fast (`exact_bench._ablation`)."""
+    one op group fast (`tools/bench/exact.py::_ablation`)."""
     by = {(r["op"], r["direction"]): r for r in records}
     fast, exact = by[("all", "fast")], by[("all", "exact")]
     lines = [
@@ -553,7 +553,7 @@ def render(reports: dict[str, dict]) -> str:
         sections += [
             "## Model step",
             "One training step (forward, next-token log-prob loss, backward) of the reduced Qwen3.5-MoE "
-            "(`models/train_step_bench.py::reduced_config(8)`: hidden 2048, 6 GatedDeltaNet + 2 attention layers, "
+            "(`tools/bench/model.py::reduced_config(8)`: hidden 2048, 6 GatedDeltaNet + 2 attention layers, "
             "64 experts "
             "top-8 + shared expert, vocabulary 248,320), bf16, every provider from the same weights in one process. "
             "Peak = the provider's weights + the step's peak above them. MFU divides by 790 TFLOP/s (a measured "
@@ -580,7 +580,7 @@ def render(reports: dict[str, dict]) -> str:
     if integrations["veomni"]:
         sections += [
             "### VeOmni's model: `verl_moe` in every slot vs VeOmni's default GPU kernels",
-            "`verl-moe bench veomni` (integrations/veomni_bench.py): VeOmni 0.1.12's `build_foundation_model`, "
+            "`verl-moe bench veomni` (tools/bench/veomni.py): VeOmni 0.1.12's `build_foundation_model`, "
             "sdpa attention, its Triton load-balancing loss in both; `verl_moe` = our op in every served slot "
             "(GDN, conv1d, RMSNorm, gated RMSNorm, MoE experts, fused cross-entropy head), `veomni` = fla GDN / "
             "conv / gated norm, Liger RMSNorm and fused cross-entropy, VeOmni's Triton group-GEMM MoE. The N16 "
@@ -590,7 +590,7 @@ def render(reports: dict[str, dict]) -> str:
     if integrations["transformers"]:
         sections += [
             "### transformers' model: `apply_to_qwen3_5_moe` vs unpatched",
-            "`verl-moe bench transformers` (integrations/transformers_bench.py): `Qwen3_5MoeForCausalLM`, sdpa "
+            "`verl-moe bench transformers` (tools/bench/transformers.py): `Qwen3_5MoeForCausalLM`, sdpa "
             "attention, grouped_mm experts where not patched, full logits and the loss in fp32; `verl_moe` = "
             "patched, `transformers` = unpatched with fla's GDN kernels and gated norm (`fla`: fla in the step), "
             "`transformers_torch` = unpatched on transformers' torch GatedDeltaNet. One sequence per case "
@@ -600,7 +600,7 @@ def render(reports: dict[str, dict]) -> str:
     if decode:
         sections += [
             "## Rollout: decoding with our engine",
-            "`verl-moe bench rollout` (engines/rollout/bench.py): the reduced Qwen3.5-MoE with 4 layers "
+            "`verl-moe bench rollout` (tools/bench/rollout.py): the reduced Qwen3.5-MoE with 4 layers "
             "(3 GatedDeltaNet + 1 attention, vocabulary 248,320), random weights, bf16; 256 prompts of 128 tokens, "
             "256 new tokens each, temperature 1, log-probs on (transformers: none). Cold = a fresh engine's first "
             "batch; first pass = a batch of new lengths after a warm-up batch of others; step = the same lengths "
@@ -624,7 +624,7 @@ def render(reports: dict[str, dict]) -> str:
     if exact:
         sections += [
             "## Exact mode against fast mode",
-            "`verl-moe bench exact` (engines/rollout/exact_bench.py): the reduced Qwen3.5-MoE with 4 layers, "
+            "`verl-moe bench exact` (tools/bench/exact.py): the reduced Qwen3.5-MoE with 4 layers, "
             "vocabulary 248,320, bf16, 256 RL-shaped requests (prompts 32-512 tokens, 16-256 new tokens, fixed "
             "seeds); the rollout's log-prob of each response token against the trainer's packed forward + head over "
             "the same sequences (micro-batches of <= 16,384 tokens), one process, one set of weights. Ratios divide "

@@ -9,7 +9,7 @@ import sys
 
 import torch
 from verl_moe.models import OpsConfig, build
-from verl_moe.ops.testing import rel_rms
+from verl_moe.ops.compare import rel_rms
 from verl_moe.tools.align.data import get_preset, hf_config
 
 LAYERS = int(sys.argv[1]) if len(sys.argv) > 1 else 4

@@ -97,10 +97,10 @@ REDUCED_VOCAB_SIZE = 320
 
 
 def reduced_config(layers: int = 4):
-    """The benchmarks' reduced Qwen3.5-MoE (`verl_moe.models.train_step_bench.reduced_config`: hidden 2048,
+    """The benchmarks' reduced Qwen3.5-MoE (`verl_moe.tools.bench.model.reduced_config`: hidden 2048,
     Qwen3.5-35B-A3B's attention and GatedDeltaNet shapes, 64 experts top-8, one full-attention layer
     in four) with `layers` layers and the byte vocabulary's special-token ids."""
-    from verl_moe.models.train_step_bench import reduced_config as bench_config
+    from verl_moe.tools.bench.model import reduced_config as bench_config
 
     config = bench_config(layers)
     config.vocab_size = REDUCED_VOCAB_SIZE

@@ -1,5 +1,6 @@
 """The package's import graph runs one way, ops <- models <- {engines, integrations} <- tools, has no cycle
-between modules, and no module is longer than 600 lines. engines and integrations share a layer as
+between modules, no module is longer than 600 lines, and the benchmarks sit in one package (tools/bench).
+engines and integrations share a layer as
 siblings: neither imports the other, except the plugin's registration of the integrations
 (`SIBLING_IMPORTS`).
 
@@ -184,7 +185,6 @@ def test_no_module_over_600_lines():
 
 # the ops' process-wide switches and caches live in ops/common/runtime.py; besides it, only the user-facing
 # selectors read the environment (dispatch: VERL_MOE_OPS; device: VERL_MOE_DEVICE / VERL_MOE_DISABLE_NPU)
-# and benches set an anchor's own switch
 ENVIRONMENT_READERS = ("ops/common/runtime.py", "ops/dispatch.py", "ops/device.py")
 
 
@@ -207,16 +207,37 @@ def test_ops_and_models_keep_environment_state_in_one_place():
         relative = path.relative_to(ROOT).as_posix()
         if not relative.startswith(("ops/", "models/")) or relative in ENVIRONMENT_READERS:
             continue
-        if path.name == "bench.py":
-            continue
         bad += [f"{relative}:{line}" for line in _environment_uses(path)]
     assert not bad, "read or set switches through ops/common/runtime.py:\n" + "\n".join(bad)
 
 
+# the benchmarks (`verl-moe bench` and the modules it runs, the kernel profiles) sit at the tools layer, in one
+# package: a module named as a bench or a profile anywhere else is a bench out of place
+BENCH_PACKAGE = "verl_moe.tools.bench"
+BENCH_NAME = re.compile(r"(?:.+_)?(?:bench|profile)")
+
+
+def misplaced_benches(modules: dict[str, Path]) -> list[str]:
+    """Modules named as a bench or a profile outside BENCH_PACKAGE."""
+    return sorted(
+        name
+        for name in modules
+        if BENCH_NAME.fullmatch(name.rpartition(".")[2])
+        and name != BENCH_PACKAGE
+        and not name.startswith(BENCH_PACKAGE + ".")
+    )
+
+
+def test_benchmarks_live_in_tools_bench():
+    bad = misplaced_benches(package_modules())
+    assert not bad, f"benchmark code goes in {BENCH_PACKAGE} (tools/bench/):\n" + "\n".join(bad)
+
+
 @pytest.fixture
 def fake_tree(tmp_path) -> Path:
-    """A package tree with one upward import (ops -> engines, inside a function) and one cycle
-    (models.a <-> models.b, one side under TYPE_CHECKING, one a relative import)."""
+    """A package tree with one upward import (ops -> engines, inside a function), one cycle
+    (models.a <-> models.b, one side under TYPE_CHECKING, one a relative import) and one bench outside
+    tools/bench (models.step_bench)."""
     files = {
         f"{PACKAGE}/__init__.py": "",
         "ops/__init__.py": "",
@@ -232,7 +253,11 @@ def fake_tree(tmp_path) -> Path:
         "integrations/__init__.py": "",
         "integrations/v.py": "from verl_moe.models.a import A\nfrom verl_moe.engines import e\n",
         "ops/j.py": "g = 1\n",
+        "models/step_bench.py": "",
         "tools/__init__.py": "",
+        "tools/bench/__init__.py": "",
+        "tools/bench/model.py": "",
+        "tools/bench/gdn_profile.py": "",
         "configs/__init__.py": "",
     }
     for relative, text in files.items():
@@ -251,6 +276,7 @@ def test_checks_find_planted_problems(fake_tree):
         "verl_moe.ops.t -> verl_moe.models.b",
     ]
     assert import_cycles(graph) == [["verl_moe.models.a", "verl_moe.models.b"]]
+    assert misplaced_benches(package_modules(fake_tree)) == ["verl_moe.models.step_bench"]
     assert "verl_moe.models.b" not in import_graph(fake_tree, lazy=False)["verl_moe.ops.t"]
     (fake_tree / "ops" / "env.py").write_text("import os\n\n\ndef f():\n    return os.environ.get('X')\n")
     assert _environment_uses(fake_tree / "ops" / "env.py") == [5]

@@ -109,8 +109,8 @@ def bench(
     """Time every provider of one op in one process, after a correctness check (`rollout`: our
     rollout engine's decode against transformers' generate, docs/rollout.md)."""
     if op in ("rollout", "exact"):
-        from ..engines.rollout import bench as rollout_bench
-        from ..engines.rollout import exact_bench
+        from .bench import exact as exact_bench
+        from .bench import rollout as rollout_bench
         from .bench import write_report
         from .provenance import environment
 

@@ -8,7 +8,7 @@ model spec and a real decode path, for CPU, CI and single-GPU runs (vLLM stays t
 - `engine.py`: continuous batching over `verl_moe.models.decode`; `sampling.py`: vLLM's sampling and
   processed log-probs; `weights.py`: vLLM / HF names -> our parameters; `config.py`:
   `engine_kwargs.verl_moe`;
-- `replay.py`: a replay buffer for verl's v1 trainer that orders each batch by content (repeatable runs).
+- `content_order.py`: a replay buffer for verl's v1 trainer that orders each batch by content (repeatable runs).
 Importing this package imports no Ray actor code beyond verl's own modules.
 
 Its INFO lines (the decode slots' footprint when they are allocated, one summary per generation

@@ -124,7 +124,7 @@ def test_cpu_recipes_repeat_as_written(recipe):
     for cfg, expected in ((_compose(recipe), level), (_compose(recipe, ["determinism=none"]), "none")):
         sampler = cfg.trainer.v1.sampler
         ordered = expected != "none"
-        assert sampler.custom_sampler.path == ("pkg://verl_moe.engines.rollout.replay" if ordered else None)
+        assert sampler.custom_sampler.path == ("pkg://verl_moe.engines.rollout.content_order" if ordered else None)
         assert sampler.custom_sampler.name == ("ContentOrderedReplayBuffer" if ordered else None)
         assert sampler.sampler_kwargs.get("poll_interval") == (0.2 if ordered else None)
         assert cfg.actor_rollout_ref.rollout.full_determinism == (expected == "full")

@@ -43,11 +43,11 @@ if _reason is not None and not _platform_was_set:
 
 
 # a module uses verl when it imports it (or what imports it: our engines but the rollout engine's own modules, the
-# tools, Hydra) at top level, or uses it in a test's body (main_ppo, torchrun, Ray, the needs_verl fixture, vLLM,
-# verl's modules, our engines' test setup)
+# tools but the rollout's benches, Hydra) at top level, or uses it in a test's body (main_ppo, torchrun, Ray, the
+# needs_verl fixture, vLLM, verl's modules, our engines' test setup)
 _USES_VERL = re.compile(
-    r"^(?:from|import)\s+(?:verl|ray|hydra|omegaconf|verl_moe\.tools"
-    r"|verl_moe\.engines(?!\.rollout\.(?:engine|sampling|bench|exact_bench)\b))\b"
+    r"^(?:from|import)\s+(?:verl|ray|hydra|omegaconf|verl_moe\.tools(?!\.bench\.(?:rollout|exact)\b)"
+    r"|verl_moe\.engines(?!\.rollout\.(?:engine|sampling)\b))\b"
     r"|main_ppo|torchrun|needs_verl|\bray\b|vllm|\bverl\.|engine_setup",
     re.M,
 )

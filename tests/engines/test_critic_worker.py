@@ -36,7 +36,7 @@ from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import no_padding_2_padding
 from verl_moe.models.value_head import add_value_head, save_value_pretrained
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.tools.align.backends.engine import engine_configs
 
 BATCH, PROMPT, RESPONSE = 8, 5, 6

@@ -1,4 +1,4 @@
-"""`verl-moe bench exact`'s ablation (`engines/rollout/exact_bench.py::_ablation`) on CPU at tiny size, in a
+"""`verl-moe bench exact`'s ablation (`tools/bench/exact.py::_ablation`) on CPU at tiny size, in a
 process started with ATEN_CPU_CAPABILITY=default as exact mode requires there: the model all exact matches
 the trainer on every token, all fast does not, and each op group is switched alone both ways."""
 
@@ -7,15 +7,15 @@ import os
 import subprocess
 import sys
 
-from verl_moe.engines.rollout.exact_bench import OP_GROUPS
+from verl_moe.tools.bench.exact import OP_GROUPS
 
 SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {models!r})
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
-from verl_moe.engines.rollout.bench import rl_requests
-from verl_moe.engines.rollout.exact_bench import _ablation
+from verl_moe.tools.bench.rollout import rl_requests
+from verl_moe.tools.bench.exact import _ablation
 from verl_moe.models.causal_lm import resolve_ops
 
 torch.manual_seed(0)

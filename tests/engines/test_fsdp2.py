@@ -27,7 +27,7 @@ from engine_setup import (
 )
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 BATCH, PROMPT, RESPONSE = 8, 6, 7
 

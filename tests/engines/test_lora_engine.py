@@ -37,7 +37,7 @@ from verl.utils import tensordict_utils as tu
 from verl_moe.engines import export
 from verl_moe.engines.config import MoeFsdp2EngineConfig, validate_engine_config
 from verl_moe.models import lora
-from verl_moe.ops.testing import assert_rel_rms, rel_rms
+from verl_moe.ops.compare import assert_rel_rms, rel_rms
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_up_proj", "down_proj"]
 

@@ -99,7 +99,7 @@ def test_cpu_platform_and_process_group_fix(monkeypatch):
     import verl.utils.distributed as verl_distributed
     from verl.plugin.platform import get_platform
     from verl.utils.device import get_nccl_backend, get_torch_device
-    from verl_moe.engines.platform import PlatformCPU
+    from verl_moe.engines.cpu_platform import PlatformCPU
 
     assert isinstance(get_platform(), PlatformCPU)
     assert get_nccl_backend() == "gloo" and get_torch_device().max_memory_allocated() == 0

@@ -21,7 +21,7 @@ import subprocess
 import uuid
 
 import pytest
-from verl_moe.engines.rollout.replay import content_order
+from verl_moe.engines.rollout.content_order import content_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 2
@@ -60,7 +60,7 @@ def test_poll_interval_reaches_verls_poll_and_must_be_positive():
     """`sampler_kwargs.poll_interval` is the interval verl's sync buffer sleeps between looks for a
     full batch (its `_wait_for_next_poll` reads `poll_interval`); verl's own default otherwise."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
-    from verl_moe.engines.rollout.replay import ContentOrderedReplayBuffer
+    from verl_moe.engines.rollout.content_order import ContentOrderedReplayBuffer
 
     def build(**sampler_kwargs):
         return ContentOrderedReplayBuffer(

@@ -248,7 +248,7 @@ def test_greedy_generation_equals_transformers_generate(make_config):
 def test_rollout_bench_passes_run_on_cpu():
     """`verl-moe bench rollout`'s timed passes on the tiny model (eager on CPU): every request of every pass
     generates exactly its new tokens in one engine that keeps its slots between passes."""
-    from verl_moe.engines.rollout.bench import _ours, _prompts
+    from verl_moe.tools.bench.rollout import _ours, _prompts
 
     passes = [(_prompts(6, 5, VOCAB, 1), 4), (_prompts(6, 3, VOCAB, 2), 7), (_prompts(6, 3, VOCAB, 3), 7)]
     runs = _ours(_model(), graphs=False, passes=passes)
@@ -261,7 +261,7 @@ def test_rollout_bench_rl_batches_on_cpu():
     ranges from the seed (the same seed gives the same batch, another seed another), and a fresh engine
     returns every request with exactly the tokens it asked for and one log-prob each, the tokens of each
     generated alone in its own engine (log-probs within fp32's row-count differences)."""
-    from verl_moe.engines.rollout.bench import generate_fresh, rl_requests
+    from verl_moe.tools.bench.rollout import generate_fresh, rl_requests
 
     batch = rl_requests(8, VOCAB, seed=0, prompt_lens=(1, 9), new_tokens=(1, 6))
     assert all(1 <= len(r.prompt_ids) <= 9 and 1 <= r.params.max_tokens <= 6 for r in batch)

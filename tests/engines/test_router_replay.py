@@ -49,8 +49,8 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from verl_moe.engines import batch
 from verl_moe.engines.router_replay import RECORD, REPLAY, RouterReplay
 from verl_moe.models.layers import Experts
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.logprob.reference import logprobs_from_logits_ref
-from verl_moe.ops.testing import assert_rel_rms
 from verl_moe.tools.align.data import rollout_batch
 from verl_moe.tools.align.metrics import router_flip_rate
 

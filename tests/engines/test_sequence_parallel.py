@@ -27,7 +27,7 @@ from engine_setup import (
 )
 from transformers import Qwen3MoeConfig
 from verl.utils import tensordict_utils as tu
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 BATCH, PROMPT, RESPONSE = 8, 6, 7
 # (prompt, response) tokens per sample: sample 1 is a single token; 59 tokens in all

@@ -47,7 +47,7 @@ from transformers import Qwen3MoeConfig
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl_moe.models.fsdp_plan import check_tied_embeddings
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 pytestmark = pytest.mark.dist
 

@@ -30,7 +30,7 @@ from engine_setup import (
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl_moe.engines.veomni import MoeVeOmniEngine
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 pytestmark = pytest.mark.dist
 

@@ -28,7 +28,7 @@ from engine_setup import (
     write_tiny_vl_model,
 )
 from verl.utils import tensordict_utils as tu
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 GRIDS = [[[1, 4, 4]], [], [[1, 2, 4], [1, 2, 2]], []]
 SP_GRIDS = [[], [[1, 8, 4]], [], [[1, 2, 2]]]  # the 8-token image's placeholders sit across the middle

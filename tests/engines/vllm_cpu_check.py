@@ -122,7 +122,7 @@ def main(family: str, out: str, bad_update: bool) -> None:
     llm = LLM(
         model=path, skip_tokenizer_init=True, dtype="float32" if family == "qwen3_moe" else "bfloat16",
         enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0, kv_cache_memory_bytes=256 << 20,
-        worker_extension_cls="verl_moe.engines.rollout.vllm_cpu.worker.CpuVllmWorkerExtension",
+        worker_extension_cls="verl_moe.engines.vllm_cpu.worker.CpuVllmWorkerExtension",
     )  # fmt: skip
     result = {"before": generate(llm, model)}
     if bad_update:

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 from tiny_models import tiny_qwen3_5_moe_text
-from verl_moe.integrations import transformers_bench
 from verl_moe.ops import device
-from verl_moe.ops.testing import rel_rms
+from verl_moe.ops.compare import rel_rms
 from verl_moe.tools.bench import BenchConfig, bench_ops, run
+from verl_moe.tools.bench import transformers as transformers_bench
 
 TOL = 1e-5
 CASE = {"id": "tiny", "layers": 3, "tokens": 24, "sequences": 2}
@@ -48,7 +48,7 @@ def test_transformers_bench_step():
 
 
 def test_veomni_bench_step(restore_veomni_state):
-    veomni_bench = pytest.importorskip("verl_moe.integrations.veomni_bench")
+    veomni_bench = pytest.importorskip("verl_moe.tools.bench.veomni")
     pytest.importorskip("veomni")
     from verl_moe.integrations import veomni as integration
 

@@ -23,7 +23,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 from verl_moe.integrations import transformers as patch
 from verl_moe.ops import device
-from verl_moe.ops.testing import rel_rms
+from verl_moe.ops.compare import rel_rms
 
 TOL, GRAD_TOL = 1e-5, 1e-4
 DECAY_GRAD_TOL = 1e-3

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_qwen3_5_moe_text
 from verl_moe.ops import device
-from verl_moe.ops.testing import rel_rms
+from verl_moe.ops.compare import rel_rms
 
 pytest.importorskip("veomni", reason="VeOmni is not installed (pip install veomni==0.1.12 --no-deps)")
 from veomni.arguments import OpsImplementationConfig  # noqa: E402
@@ -298,8 +298,8 @@ def test_verl_moe_slots_match_veomni_gpu_kernels(restore_veomni_state):
     cross-entropy, its Triton group-GEMM MoE), in bf16 (its MoE kernel takes nothing else)."""
     for package in ("fla", "liger_kernel"):
         pytest.importorskip(package, reason=f"VeOmni's GPU defaults need {package} ('verl-moe[bench]')")
-    from verl_moe.integrations.veomni_bench import _ops as bench_ops
-    from verl_moe.models.train_step_bench import allow_fla_backward_on_hopper
+    from verl_moe.tools.bench.model import allow_fla_backward_on_hopper
+    from verl_moe.tools.bench.veomni import _ops as bench_ops
 
     allow_fla_backward_on_hopper()  # `_run` backpropagates (the gradients are not compared here)
     state = _weights()

@@ -16,7 +16,7 @@ from tiny_models import packed_inputs, randomize_norms, tiny_qwen3_5_moe_text
 from torch.distributed._composable import checkpoint
 from verl_moe.models.fsdp_plan import checkpoint_in_tiles, decoder_layers, offload_activations
 from verl_moe.models.qwen3_5_moe.gated_deltanet import tile_span
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 TOL = 1e-12  # fp64
 MODEL_TOL = 1e-9  # fp64 after four layers; dt_bias's gradient sums many cancelling terms (|d| ~1e-9)

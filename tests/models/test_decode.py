@@ -13,11 +13,11 @@ import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from verl_moe.models.decode import MoeDecoder
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.conv1d import causal_conv1d_ref
 from verl_moe.ops.conv1d.step import causal_conv1d_step_ref, conv1d_state_from_prefill
 from verl_moe.ops.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from verl_moe.ops.gdn.step import gated_delta_rule_step, gated_delta_rule_step_ref
-from verl_moe.ops.testing import assert_rel_rms
 
 PROMPTS = [[5, 9, 3, 7, 1], [11], [2, 4, 6, 8, 10, 12, 14, 16, 18]]  # a 1-token prompt, one shorter than W-1
 NEW_TOKENS = 6

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl_moe.models import layers
 from verl_moe.models.fsdp_plan import FsdpPlan, fully_shard_model
 from verl_moe.models.layers import MoeBlock
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 VIEW_WARNING = "returned a view tensor"
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import tiny_qwen3_5_moe_text, tiny_qwen3_moe
-from verl_moe.ops.testing import rel_rms
+from verl_moe.ops.compare import rel_rms
 
 _CHILD_FLAG = "VERL_MOE_TEST_FUSED_MODEL_CHILD"
 IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"

@@ -14,7 +14,7 @@ import torch
 import verl_moe.models as vm
 from tiny_models import inputs, randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.models import lora
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 ALL_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",

@@ -30,7 +30,7 @@ from tiny_models import packed_inputs, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from verl_moe.engines.batch import PackedBatch
 from verl_moe.engines.router_replay import RECORD, REPLAY, RouterReplay, _LayerSlot
 from verl_moe.models.layers import MoeBlock
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 N, TOL = 37, 1e-6
 LENGTHS = [13, 9, 15]  # 37 packed tokens

@@ -22,8 +22,8 @@ from tiny_models import (
     tiny_qwen3_5_moe_text,
 )
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.router import load_balancing_loss
-from verl_moe.ops.testing import assert_rel_rms
 
 LENGTHS = [5, 1, 9, 3]
 

@@ -13,7 +13,7 @@ import torch
 import verl_moe.models as vm
 from tiny_models import assert_matches_transformers, hf_causal_lm, packed_inputs, randomize_norms, tiny_qwen3_moe
 from verl_moe.models.layers import DenseMLP, MoeBlock
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 LENGTHS = [4, 1, 10, 2]
 

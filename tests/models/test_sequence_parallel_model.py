@@ -17,7 +17,7 @@ from dist import spawn
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
 from verl_moe.engines.batch import PackedBatch, slice_packed
 from verl_moe.models.process_groups import UlyssesGroup
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 
 # unequal, one of length 1, an odd total (so the last rank's share ends in one pad token)
 LENGTHS = [6, 1, 9, 3]

@@ -19,7 +19,7 @@ import transformers
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
 from verl_moe.ops.attention import causal_attention
-from verl_moe.ops.testing import assert_rel_rms, rel_rms
+from verl_moe.ops.compare import assert_rel_rms, rel_rms
 
 IMAGE, VIDEO, START, END = 120, 121, 118, 119
 MERGE = 2

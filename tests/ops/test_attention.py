@@ -13,8 +13,8 @@ import pytest
 import torch
 from verl_moe.ops import device
 from verl_moe.ops.attention import ACCELERATOR_DEFAULT, causal_attention
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.dispatch import resolve
-from verl_moe.ops.testing import assert_rel_rms
 
 LENGTHS = [6, 1, 11, 4]
 WITH_EMPTY = [6, 1, 0, 11, 4, 1]

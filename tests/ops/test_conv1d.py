@@ -19,8 +19,8 @@ from verl_moe.ops import device
 if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
+from verl_moe.ops.compare import assert_rel_rms  # noqa: E402
 from verl_moe.ops.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
-from verl_moe.ops.testing import assert_rel_rms  # noqa: E402
 
 DEV = device.current_device()
 LENGTHS = [5, 1, 9, 3]  # includes a length-1 sequence and one shorter than the kernel

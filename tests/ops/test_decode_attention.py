@@ -18,7 +18,7 @@ if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from verl_moe.ops.attention.decode import decode_attention_ref  # noqa: E402
-from verl_moe.ops.testing import assert_rel_rms  # noqa: E402
+from verl_moe.ops.compare import assert_rel_rms  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

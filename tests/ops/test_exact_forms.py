@@ -12,6 +12,7 @@ import pytest
 import torch
 from verl_moe.ops.attention import causal_attention_ref
 from verl_moe.ops.attention.exact import causal_attention_exact, decode_attention_exact
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.conv1d import causal_conv1d_ref
 from verl_moe.ops.conv1d.exact import causal_conv1d_exact
 from verl_moe.ops.experts import moe_experts_ref
@@ -20,7 +21,6 @@ from verl_moe.ops.gdn import chunk_gated_delta_rule_ref
 from verl_moe.ops.gdn.exact import gated_delta_rule_step_exact, recurrent_gated_delta_rule_exact
 from verl_moe.ops.linear.exact import linear_exact, linear_rows
 from verl_moe.ops.logprob import logprobs_and_entropy
-from verl_moe.ops.testing import assert_rel_rms
 
 CU = [0, 5, 6, 23, 40]  # a 1-token sequence, lengths past one attention tile
 

@@ -15,6 +15,7 @@ import torch
 from verl_moe.ops import device
 from verl_moe.ops.attention.exact import attention_rows
 from verl_moe.ops.attention.exact_kernel import attention_rows_triton
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.conv1d.conv import causal_conv1d as causal_conv1d_triton
 from verl_moe.ops.conv1d.reference import causal_conv1d_ref
 from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
@@ -28,7 +29,6 @@ from verl_moe.ops.norm.fused import rms_norm
 from verl_moe.ops.norm.reference import rms_norm_ref
 from verl_moe.ops.router.exact_kernel import route_rows_triton
 from verl_moe.ops.router.reference import route_logits
-from verl_moe.ops.testing import assert_rel_rms
 
 DEV = device.device_type() if device.is_accelerator() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from dist import spawn
 from test_experts import TOPK, D, E, I, N, dense_formula
 from verl_moe.models.process_groups import ExpertParallelGroup
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.dispatch import resolve
 from verl_moe.ops.experts.expert_parallel import moe_experts_expert_parallel
-from verl_moe.ops.testing import assert_rel_rms
 
 pytestmark = pytest.mark.dist
 ALL_IMPLS = ("torch", "grouped", "triton")

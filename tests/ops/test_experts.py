@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from verl_moe.ops import device
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.dispatch import resolve
 from verl_moe.ops.experts.permute import gather_sum, moe_sort, scatter_rows
 from verl_moe.ops.experts.reference import moe_experts_ref, sort_ref
-from verl_moe.ops.testing import assert_rel_rms
 
 N, D, E, I, TOPK = 24, 16, 6, 8, 2
 IMPLS = ["torch", "grouped", "triton"]

@@ -24,12 +24,12 @@ from verl_moe.ops import device
 if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
+from verl_moe.ops.compare import assert_rel_rms, rel_rms  # noqa: E402
 from verl_moe.ops.gdn import chunk_gated_delta_rule as dispatched  # noqa: E402
 from verl_moe.ops.gdn import l2norm, output, solve, state, wy  # noqa: E402
 from verl_moe.ops.gdn import launch as gdn_launch  # noqa: E402
 from verl_moe.ops.gdn.chunk import chunk_gated_delta_rule  # noqa: E402
 from verl_moe.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref  # noqa: E402
-from verl_moe.ops.testing import assert_rel_rms, rel_rms  # noqa: E402
 
 TOL = {
     torch.float32: {

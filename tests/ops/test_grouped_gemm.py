@@ -23,8 +23,8 @@ if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from verl_moe.ops.common import launch as common_launch  # noqa: E402
+from verl_moe.ops.compare import assert_rel_rms  # noqa: E402
 from verl_moe.ops.experts.grouped_gemm import grouped_gemm  # noqa: E402
-from verl_moe.ops.testing import assert_rel_rms  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from verl_moe.ops import device, dispatch, varlen
-from verl_moe.ops.testing import assert_rel_rms, rel_rms
+from verl_moe.ops.compare import assert_rel_rms, rel_rms
 from verl_moe.ops.varlen import check_cu_seqlens, seq_bounds
 
 

@@ -22,8 +22,8 @@ import sys
 import pytest
 import torch
 from verl_moe.ops import device
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.logprob import LogprobOptions, logprobs_and_entropy, logprobs_and_entropy_ref
-from verl_moe.ops.testing import assert_rel_rms
 
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 BF16_ABS = 2e-2

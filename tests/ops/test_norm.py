@@ -22,8 +22,8 @@ if not device.is_accelerator():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from verl_moe.ops import resolve  # noqa: E402
+from verl_moe.ops.compare import assert_rel_rms, rel_rms  # noqa: E402
 from verl_moe.ops.norm import IMPLS, fused, gated_rms_norm, rms_norm, rms_norm_ref  # noqa: E402
-from verl_moe.ops.testing import assert_rel_rms, rel_rms  # noqa: E402
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 EPS = 1e-6
@@ -277,8 +277,8 @@ def test_triton_fp32_weight_with_bf16_rows(nan_poison):
 
 
 def test_bench_runs_its_reference_on_cpu(monkeypatch):
-    from verl_moe.ops.norm import bench as norm_bench
     from verl_moe.tools import bench
+    from verl_moe.tools.bench.ops import norm as norm_bench
 
     tiny = [{**c, "shape": (*[2] * (len(c["shape"]) - 1), c["shape"][-1] // 32)} for c in norm_bench.CASES]
     monkeypatch.setattr(norm_bench, "CASES", tiny)

@@ -18,8 +18,8 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf35
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 from verl_moe.ops import device
+from verl_moe.ops.compare import assert_rel_rms, rel_rms
 from verl_moe.ops.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_ref, rope_cos_sin, rope_inv_freq
-from verl_moe.ops.testing import assert_rel_rms, rel_rms
 
 HEAD_DIM = 32
 TRITON_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}

@@ -17,9 +17,9 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter, load_balancing_loss_func
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from verl_moe.ops import device
+from verl_moe.ops.compare import assert_rel_rms, rel_rms
 from verl_moe.ops.router import load_balancing_loss, route, route_ref
 from verl_moe.ops.router.topk import route_triton, router_topk_bwd, router_topk_fwd
-from verl_moe.ops.testing import assert_rel_rms, rel_rms
 
 N, D, E, TOPK = 64, 32, 8, 2
 

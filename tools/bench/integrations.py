@@ -1,11 +1,12 @@
-"""What the two integration benchmarks share (`veomni_bench.py`, `transformers_bench.py`): the reduced
-Qwen3.5-MoE of `verl-moe bench model` (`models/train_step_bench.py`), its weights, the packed batch and the
+"""What the two integration benchmarks share (`veomni.py`, `transformers.py`): the reduced
+Qwen3.5-MoE of `verl-moe bench model` (`model.py`), its weights, the packed batch and the
 per-row throughput columns."""
 
 from __future__ import annotations
 
 import torch
-from verl_moe.models.train_step_bench import PEAK_TFLOPS, reduced_config
+
+from .model import PEAK_TFLOPS, reduced_config
 
 
 def no_accelerator() -> str | None:

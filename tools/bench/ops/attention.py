@@ -17,8 +17,7 @@ import importlib.util
 from types import SimpleNamespace
 
 import torch
-
-from .. import device
+from verl_moe.ops import device
 
 CASES = [{"id": f"T16384-N{n}-H16-HKV2-K256", "T": 16384, "N": n, "H": 16, "HKV": 2, "K": 256} for n in (1, 16, 64)]
 PROVIDERS = ("varlen", "torch", "transformers_sdpa", "flex")
@@ -35,7 +34,7 @@ def unavailable(provider: str) -> str | None:
     if provider == "varlen":
         if device.device_type() != "cuda":
             return "the varlen provider runs flash attention on cuda (its npu path is not benchmarked)"
-        from .varlen import flash_unavailable
+        from verl_moe.ops.attention.varlen import flash_unavailable
 
         return flash_unavailable()
     if provider == "flex" and not device.is_accelerator():
@@ -89,7 +88,7 @@ def _call(provider: str, inputs: dict) -> torch.Tensor:
     scale = inputs["q"].shape[-1] ** -0.5
     if provider == "transformers_sdpa":
         return _transformers_sdpa(inputs, scale)
-    from . import causal_attention
+    from verl_moe.ops.attention import causal_attention
 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     return causal_attention(q, k, v, scale=scale, cu_seqlens=inputs["cu_seqlens"], impl=provider)

@@ -1,9 +1,12 @@
-"""`verl-moe bench <op>`: every provider of one op in one process, as ratios.
+"""`verl-moe bench <op>`: every provider of one op in one process, as ratios. This package holds every
+benchmark: this runner, one module per op (`ops/`), the model step (`model.py`), our kernels in the anchors'
+models (`veomni.py`, `transformers.py`, sharing `integrations.py`), the rollout (`rollout.py`), exact mode
+against fast mode (`exact.py`), and the GDN kernel profile (`gdn_profile.py`).
 
-Each `verl_moe.ops.<op>.bench` module declares CASES, PROVIDERS, REFERENCE, MODES, TOLERANCE
-and the functions `unavailable`, `make_inputs`, `run` (docs/benchmarking.md); optionally OPTIONS (the keys
-`BenchConfig.extra` may set on every case, e.g. the model step's `offload`) and, per case, `providers`
-(the only ones that run it). Per case and mode:
+Each bench module the runner takes (`ops/<op>.py`, BENCH_MODULES) declares CASES, PROVIDERS, REFERENCE,
+MODES, TOLERANCE and the functions `unavailable`, `make_inputs`, `run` (docs/benchmarking.md); optionally
+OPTIONS (the keys `BenchConfig.extra` may set on every case, e.g. the model step's `offload`) and, per case,
+`providers` (the only ones that run it). Per case and mode:
 untimed warm-up (compile, autotune), a correctness check of every provider against REFERENCE,
 then the median time and the peak memory above the inputs.
 """
@@ -22,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..ops import device
-from ..ops.common.timing import kernel_ms, time_ms
-from ..ops.testing import rel_rms
-from .provenance import environment
-from .table import render_table
+from ...ops import device
+from ...ops.compare import rel_rms
+from ..provenance import environment
+from ..table import render_table
+from .timing import kernel_ms, time_ms
 
 
 @dataclass(frozen=True)
@@ -50,20 +53,19 @@ class BenchConfig:
             raise FileNotFoundError(f"--json {self.json_path}: folder {Path(self.json_path).parent} does not exist")
 
 
-# names that are not op folders -> their bench module: the training step, and our kernels inside the anchors'
+# names that are not ops -> their bench module: the training step, and our kernels inside the anchors'
 # own models (VeOmni's kernel slots, transformers' patched model)
 BENCH_MODULES = {
-    "model": "verl_moe.models.train_step_bench",
-    "veomni": "verl_moe.integrations.veomni_bench",
-    "transformers": "verl_moe.integrations.transformers_bench",
+    "model": "verl_moe.tools.bench.model",
+    "veomni": "verl_moe.tools.bench.veomni",
+    "transformers": "verl_moe.tools.bench.transformers",
 }
+OPS_FOLDER = Path(__file__).parent / "ops"  # one module per op, named as the op's folder of verl_moe.ops
 
 
 def bench_ops() -> list[str]:
-    """What `verl-moe bench` takes: each op folder of verl_moe.ops with a bench.py, and BENCH_MODULES."""
-    from .. import ops
-
-    return [*sorted(p.parent.name for p in Path(ops.__file__).parent.glob("*/bench.py")), *BENCH_MODULES]
+    """What `verl-moe bench` takes: each op with a module in tools/bench/ops, and BENCH_MODULES."""
+    return [*sorted(p.stem for p in OPS_FOLDER.glob("*.py") if p.stem != "__init__"), *BENCH_MODULES]
 
 
 def _peak_extra_gib(fn) -> float:
@@ -126,7 +128,7 @@ def run(
     as it starts. A provider that runs out of memory or fails on a case becomes a row with its `error`
     (and, out of memory, the `asked_gib` it asked for), and the run goes on; `busy_share` is the
     kernels' share of the wall time where both are measured."""
-    module = BENCH_MODULES.get(cfg.op, f"verl_moe.ops.{cfg.op}.bench")
+    module = BENCH_MODULES.get(cfg.op, f"verl_moe.tools.bench.ops.{cfg.op}")
     bench = importlib.import_module(module)
     dev = device.current_device()
     providers = cfg.providers or tuple(bench.PROVIDERS)
@@ -295,11 +297,3 @@ def print_report(report: dict) -> None:
     render_table(f"verl-moe bench {report['op']} on {report['device_name']}", columns + extra, report["rows"])
     for p, why in report["skipped_providers"].items():
         print(f"skipped provider {p}: {why}")
-
-
-if __name__ == "__main__":  # python -m verl_moe.tools.bench <op> [--json PATH]
-    args = sys.argv[1:]
-    json_path = args[args.index("--json") + 1] if "--json" in args else None
-    rep = run(BenchConfig(op=args[0], json_path=json_path))
-    print_report(rep)
-    sys.exit(0 if all(r["check_ok"] for r in rep["rows"]) else 1)

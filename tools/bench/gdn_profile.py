@@ -1,7 +1,7 @@
 """Per-kernel device profile of the GDN bench cases (a tool for tuning; not part of the op).
 
-`python -m verl_moe.ops.gdn.profile [providers] [case ids]` (comma lists; default: triton, every case
-of `bench.CASES`). Per case, provider and mode: the median wall time of 10 synchronised calls after
+`python -m verl_moe.tools.bench.gdn_profile [providers] [case ids]` (comma lists; default: triton, every
+case of `ops/gdn.py`'s CASES). Per case, provider and mode: the median wall time of 10 synchronised calls after
 3 warm-ups (as `verl-moe bench` times), the peak memory above the inputs, and the CUDA time of each
 kernel averaged over 3 calls under torch.profiler. Prints one line per (case, provider, mode), then
 the config each of our autotuned kernels picked.
@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from .. import device
-from ..common.timing import time_ms
-from . import bench
+from ...ops import device
+from .ops import gdn as bench
+from .timing import time_ms
 
 
 def _kernel_ms(fn, calls: int = 3) -> dict[str, float]:

@@ -12,7 +12,7 @@ same tokens in groups of the same tokens, so swapping them changes nothing the t
 Enable it (sync trainer mode; verl builds custom samplers without `algorithm.filter_groups`; the CPU
 recipes do, through `configs/determinism/`):
 
-    trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.replay
+    trainer.v1.sampler.custom_sampler.path=pkg://verl_moe.engines.rollout.content_order
     trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer
 
 `+trainer.v1.sampler.sampler_kwargs.poll_interval=SECONDS` sets how often `sample` looks for a full

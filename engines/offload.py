@@ -1,4 +1,4 @@
-"""Placement for our FSDP2 engines (verl's `engine.to` / param and optimizer offload): sharded
+"""Offload for our FSDP2 engines (verl's `engine.to` / param and optimizer offload): sharded
 parameters, their gradients and optimizer state moved between the host and the accelerator."""
 
 from __future__ import annotations

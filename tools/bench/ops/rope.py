@@ -21,8 +21,7 @@ Outputs, in order: q, k (+ dq, dk); "torch" (the reference) is the golden.
 from __future__ import annotations
 
 import torch
-
-from ..dispatch import unrunnable_reason
+from verl_moe.ops.dispatch import unrunnable_reason
 
 CASES = [
     {"id": "qwen3.5-T8192-H16-HKV2-K256-R64", "T": 8192, "H": 16, "HKV": 2, "K": 256, "R": 64, "gate": True},
@@ -47,7 +46,7 @@ def unavailable(provider: str) -> str | None:
 def make_inputs(case: dict, device: torch.device) -> dict:
     """Leaves "qg" ([1, T, H, 2K], q = its first K features) or "q" ([1, T, H, K]), and k
     [1, T, HKV, K]; cos/sin from positions 0..T-1; fixed output cotangents; all bf16."""
-    from .reference import rope_cos_sin, rope_inv_freq
+    from verl_moe.ops.rope.reference import rope_cos_sin, rope_inv_freq
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     T, H, HKV, K, R = (case[n] for n in ("T", "H", "HKV", "K", "R"))
@@ -111,7 +110,7 @@ def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
         k, dq, dk = k.clone(), dq.clone(), dk.clone()
         call = _liger
     else:
-        from . import apply_rotary_pos_emb
+        from verl_moe.ops.rope import apply_rotary_pos_emb
 
         def call(q, k, cos, sin):
             return apply_rotary_pos_emb(q, k, cos, sin, impl=provider)

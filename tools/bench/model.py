@@ -92,7 +92,7 @@ def reduced_config(layers: int):
 
 
 def unavailable(provider: str) -> str | None:
-    from ..ops import device
+    from ...ops import device
 
     if not device.is_accelerator():
         return "the reduced model needs an accelerator (about 30 GiB)"
@@ -156,8 +156,8 @@ def _build_veomni(config, state: dict, device):
 def make_inputs(case: dict, device: torch.device) -> dict:
     """The step's batch and our model; VeOmni's and transformers' models are built from our weights on
     their first `run` (inside the untimed warm-up), so an unselected provider costs nothing."""
-    from . import build
-    from .fsdp_plan import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
+    from ...models import build
+    from ...models.fsdp_plan import OFFLOAD_TILE_TOKENS, checkpoint_decoder_layer, decoder_layers, offload_activations
 
     allow_fla_backward_on_hopper()
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def _model(provider: str, inputs: dict):
 def run(provider: str, inputs: dict, mode: str) -> list[torch.Tensor]:
     """Loss = mean negative log-likelihood of token t+1 at positions 0..T-2 (the last position has no
     label in VeOmni's shifted loss), forward (and backward for "fwd_bwd"); returns [loss]."""
-    from ..ops import logprobs_and_entropy
+    from ...ops import logprobs_and_entropy
 
     model = _model(provider, inputs)
     ids, pos, cu = inputs["input_ids"], inputs["position_ids"], inputs["cu_seqlens"]
@@ -241,7 +241,7 @@ def derived(case: dict, provider: str, mode: str, inputs: dict, ms: float, peak_
     """Per-row throughput and memory: tokens/s, MFU (model FLOPs of the forward, three times that with
     backward; the recompute of checkpointing not counted), the provider's own peak (its weights + the
     step's extra peak; the batch is a few KiB), and for ours with offload the peak host memory it held."""
-    from .flops import TRAIN_FACTOR, forward_flops
+    from ...models.flops import TRAIN_FACTOR, forward_flops
 
     tokens = case["tokens"]
     model = _model(provider, inputs)

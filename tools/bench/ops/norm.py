@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ..dispatch import unrunnable_reason
-from .reference import rms_norm_ref
+from verl_moe.ops.dispatch import unrunnable_reason
+from verl_moe.ops.norm.reference import rms_norm_ref
 
 EPS = 1e-6
 CASES: list[dict] = [
@@ -84,7 +83,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 
 def _triton(x, weight, gate, residual, unit_offset):
-    from .fused import rms_norm
+    from verl_moe.ops.norm.fused import rms_norm
 
     return rms_norm(x, weight, EPS, unit_offset, gate=gate, residual=residual)
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ...ops import device as devices
-from .bench import _synced, generate_fresh, rl_requests
+from .rollout import _synced, generate_fresh, rl_requests
 
 MODES = ("fast", "exact")
 # the ResolvedOps fields of each op as the ablation switches it (the rollout's and the trainer's paths of an op
@@ -177,8 +177,8 @@ def run(
     """
     from ...models import OpsConfig, build
     from ...models.causal_lm import resolve_ops
-    from ...models.train_step_bench import reduced_config
     from ...ops.logprob import logprob_head
+    from .model import reduced_config
 
     if not devices.is_accelerator():
         raise ValueError("verl-moe bench exact needs a cuda device (the reduced model)")

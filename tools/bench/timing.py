@@ -1,5 +1,5 @@
-"""Wall-clock and kernel timing of a device call, shared by the op benches' tools (`ops/gdn/profile.py`) and the
-`verl-moe bench` CLI: it sits in ops so that ops never import the tools above them."""
+"""Wall-clock and kernel timing of a device call, shared by `verl-moe bench` and the GDN kernel profile
+(`gdn_profile.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from .. import device
+from ...ops import device
 
 
 def time_ms(fn: Callable[[], object], reps: int) -> float:

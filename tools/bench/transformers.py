@@ -17,9 +17,9 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from verl_moe.models.train_step_bench import allow_fla_backward_on_hopper
 
-from .bench import make_batch, no_accelerator, step_row
+from .integrations import make_batch, no_accelerator, step_row
+from .model import allow_fla_backward_on_hopper
 
 CASES = [
     {"id": "hf-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},
@@ -45,8 +45,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 def _build(provider: str, inputs: dict):
     from transformers import Qwen3_5MoeForCausalLM
-
-    from .transformers import apply_to_qwen3_5_moe, use_torch_gdn
+    from verl_moe.integrations.transformers import apply_to_qwen3_5_moe, use_torch_gdn
 
     config = inputs["config"]
     config._attn_implementation = "sdpa"

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-
-from ..dispatch import unrunnable_reason
+from verl_moe.ops.dispatch import unrunnable_reason
 
 CASES = [
     {"id": "B1-T4096-H16-HV32", "B": 1, "T": 4096},
@@ -64,7 +63,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 
 def _ours(x):
-    from .chunk import chunk_gated_delta_rule
+    from verl_moe.ops.gdn.chunk import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(
         x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"]

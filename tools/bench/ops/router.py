@@ -15,9 +15,8 @@ Outputs, in order: logits, topk_weight, d_hidden, d_gate_weight.
 from __future__ import annotations
 
 import torch
-
-from ..dispatch import unrunnable_reason
-from .reference import route_ref
+from verl_moe.ops.dispatch import unrunnable_reason
+from verl_moe.ops.router.reference import route_ref
 
 CASES: list[dict] = [
     {"id": f"T{t}-D2048-E256-top8", "T": t, "D": 2048, "E": 256, "topk": 8, "dtype": "bfloat16"} for t in (8192, 16384)
@@ -80,7 +79,7 @@ def _hf_router(weight, top_k):
 def _forward(provider, hidden, weight, inputs):
     top_k = inputs["top_k"]
     if provider == "triton":
-        from .topk import route_triton
+        from verl_moe.ops.router.topk import route_triton
 
         logits, tw, _ = route_triton(hidden, weight, top_k, True)
     elif provider == "torch":

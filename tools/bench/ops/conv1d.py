@@ -10,8 +10,7 @@ Outputs, in order: y, then for "fwd_bwd" dx, dweight of sum(y * dy).
 from __future__ import annotations
 
 import torch
-
-from ..dispatch import unrunnable_reason
+from verl_moe.ops.dispatch import unrunnable_reason
 
 CASES = [{"id": f"T{t}-C8192-W4-N{n}", "T": t, "C": 8192, "W": 4, "N": n} for t in (8192, 16384) for n in (1, 64)]
 PROVIDERS = ("triton", "fla", "torch")
@@ -43,7 +42,7 @@ def make_inputs(case: dict, device: torch.device) -> dict:
 
 
 def _ours(x):
-    from .conv import causal_conv1d
+    from verl_moe.ops.conv1d.conv import causal_conv1d
 
     return causal_conv1d(x["x"], x["weight"], None, activation="silu", cu_seqlens=x["cu_seqlens"])
 
@@ -58,7 +57,7 @@ def _fla(x):
 
 
 def _torch(x):
-    from .reference import causal_conv1d_ref
+    from verl_moe.ops.conv1d.reference import causal_conv1d_ref
 
     return causal_conv1d_ref(x["x"], x["weight"], None, activation="silu", cu_seqlens=x["cu_seqlens"])
 

@@ -18,9 +18,8 @@ import importlib
 import importlib.util
 
 import torch
-
-from ..dispatch import resolve, unrunnable_reason
-from .reference import moe_experts_ref
+from verl_moe.ops.dispatch import resolve, unrunnable_reason
+from verl_moe.ops.experts.reference import moe_experts_ref
 
 _QWEN = {"E": 256, "topk": 8, "D": 2048, "I": 512, "dtype": "bfloat16"}
 CASES: list[dict] = [{"id": f"T{t}-E256-top8-D2048-I512", "T": t, **_QWEN} for t in (8192, 16384)]

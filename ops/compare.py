@@ -1,4 +1,4 @@
-"""Test helpers shared by tests and benchmarks: relative RMS error against a reference."""
+"""Comparison against a reference, shared by tests and benchmarks: relative RMS error."""
 
 from __future__ import annotations
 

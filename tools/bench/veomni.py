@@ -20,9 +20,9 @@ import importlib.util
 import sys
 
 import torch
-from verl_moe.models.train_step_bench import VEOMNI_GPU_OPS, allow_fla_backward_on_hopper
 
-from .bench import make_batch, no_accelerator, step_row
+from .integrations import make_batch, no_accelerator, step_row
+from .model import VEOMNI_GPU_OPS, allow_fla_backward_on_hopper
 
 CASES = [
     {"id": "veomni-qwen3.5-moe-L8-T8192", "layers": 8, "tokens": 8192},
@@ -47,7 +47,7 @@ def unavailable(provider: str) -> str | None:
         if missing:
             return f"VeOmni's GPU kernels need {', '.join(missing)} ('verl-moe[bench]')"
     else:
-        from . import veomni as integration
+        from verl_moe.integrations import veomni as integration
 
         try:
             integration.register()  # `import verl` runs it through our plugin; this process may not import verl
@@ -58,9 +58,8 @@ def unavailable(provider: str) -> str | None:
 
 def _ops(provider: str):
     from veomni.arguments import OpsImplementationConfig
+    from verl_moe.integrations import veomni as integration
     from verl_moe.ops import device
-
-    from . import veomni as integration
 
     if provider == "verl_moe":
         fields = dict.fromkeys(integration.CONFIG_FIELDS, integration.IMPL_NAME)

@@ -8,7 +8,7 @@ from verl.plugin.platform import get_platform
 from verl.utils.net_utils import is_valid_ipv6_address
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-WORKER_EXTENSION = "verl_moe.engines.rollout.vllm_cpu.worker.CpuVllmWorkerExtension"
+WORKER_EXTENSION = "verl_moe.engines.vllm_cpu.worker.CpuVllmWorkerExtension"
 
 
 class CpuVllmHttpServer(vLLMHttpServer):

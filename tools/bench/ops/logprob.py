@@ -21,9 +21,8 @@ import importlib
 import importlib.util
 
 import torch
-
-from ..dispatch import unrunnable_reason
-from . import logprobs_and_entropy
+from verl_moe.ops.dispatch import unrunnable_reason
+from verl_moe.ops.logprob import logprobs_and_entropy
 
 CASES: list[dict] = [
     {"id": f"N{n}-D2048-V248320", "n": n, "d": 2048, "vocab": 248320, "dtype": "bfloat16"} for n in (4096, 16384)
