@@ -6,22 +6,29 @@ Each round, for every running request (slot), batched over the requests:
    positions the main model consumed since the last round (main hidden state at s, token s+1), whose last
    output, through the shared lm_head, drafts d_1; its output at the draft's position and d_1's embedding
    draft d_2, and so on up to k tokens (fewer near max_tokens). Draft tokens are drawn from the MTP
-   layer's distribution q at the request's temperature (argmax for greedy requests);
+   layer's distribution q at the request's temperature (argmax for greedy requests), each draft step for
+   all drafting requests at once on the device: q = softmax(logits / T) in fp32 and the token by inverse
+   CDF (`ops.sampling.inverse_cdf`) at one of the request's uniforms;
 2. verify: one forward of the main model over the k + 1 positions (the token sampled last, then the
    drafts), continuing the slot (`MoeDecoder.extend`), gives the target distributions p_0 .. p_k;
-3. accept (`accept_drafts`): d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection
-   the round's last token is drawn from normalize(max(0, p - q)); when all k are kept, a bonus token from
-   p_k. So every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023,
-   Chen et al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the
-   target's argmax otherwise: the target's greedy tokens;
+3. accept (`accept_drafts`, batched over the sampled requests on the device): d_i is kept when
+   u_i q(d_i) < p(d_i), with probability min(1, p(d_i) / q(d_i)); j, the number of leading kept drafts
+   (at most the request's k); the round's last token is drawn from normalize(max(0, p_j - q_{j+1})), q
+   taken as 0 at j = k, which gives the bonus token from p_k (p_j itself when the residual sums to 0). So
+   every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023, Chen et
+   al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the target's
+   argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs to
+   the host once;
 4. commit: after a rejection at draft j the slots' GatedDeltaNet conv and recurrent states and lengths
    are restored from the copy taken before the verification and the main model runs again over the
    j + 1 kept positions (attention caches past a slot's length are never read), so the state holds the
    accepted tokens only.
 
-Every random draw of a request (its first token, drafts, acceptance numbers, residual and bonus tokens)
-comes from a `torch.Generator` of its own, seeded by its `seed` or, without one, by the stream key
-`GenerationEngine` gives it (`stream_seed`): the same request gives the same tokens. The log-prob of each
+Every random number of a request comes from its own counter-based stream (`ops.sampling.uniforms`,
+resolved as the op `sampling.uniforms`: fp64 in [0, 1), computed on the device), keyed by its `seed` or,
+without one, by the stream key `GenerationEngine` gives it (`stream_seed`): number 0 draws its first token,
+and each round takes the next 2k + 1 numbers (k engine-wide: k draft draws, k acceptance numbers, one for
+the last token) whatever its outcome, so the same request gives the same tokens, alone or batched. The log-prob of each
 emitted token is the target's, log_softmax(logits / temperature) in fp32 (temperature 1 for greedy
 requests), as the engine returns them. Sampling settings beyond temperature (top-k, top-p, min-p,
 repetition penalty, min_tokens) are refused: the rule would need their processed q and p.
@@ -43,51 +50,70 @@ import torch
 from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
 from ...models.mtp_decode import MtpCache, MtpDrafter, load_linear_state, save_linear_state
+from ...ops import resolve
+from ...ops.sampling import inverse_cdf
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams, stream_seed
 
 
 def accept_drafts(
-    target: torch.Tensor, draft: torch.Tensor, drafts: Sequence[int], generator: torch.Generator
-) -> tuple[int, int]:
-    """The speculative sampling rule for one request's round.
+    target: torch.Tensor,
+    draft: torch.Tensor,
+    drafts: torch.Tensor,
+    ks: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_final: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative sampling rule for a batch of sampled requests' round, on their device.
 
     Args:
-        target: [k+1, VOCAB] fp64 probabilities p_0 .. p_k (p_i: the target's distribution of the token
-            after the i-th verified position); draft: [k, VOCAB] fp64 q_1 .. q_k, each d_i's draft
-            distribution; drafts: the k drafted tokens; generator: the request's (CPU).
+        target: [N, K+1, VOCAB] probabilities p_0 .. p_K (p_i: the target's distribution of the token after
+            the i-th verified position; rows past a request's k + 1 unused); draft: [N, K, VOCAB] q_1 .. q_K,
+            each d_i's draft distribution (rows past a request's k zero); drafts: [N, K] int64 drafted
+            tokens; ks: [N] int64, each request's k <= K; u_accept: [N, K] and u_final: [N] fp64 uniforms.
     Returns:
-        (accepted j in [0, k], the round's last token: drawn from normalize(max(0, p_j - q_{j+1})) after a
-        rejection, from p_k when all k were kept).
+        (accepted j [N] in [0, k], the round's last token [N]: drawn by inverse CDF with u_final from
+        normalize(max(0, p_j - q_{j+1})) after a rejection, from p_k when all k were kept).
     """
-    k = len(drafts)
-    for i, d in enumerate(drafts):
-        u = torch.rand((), dtype=torch.float64, generator=generator)
-        if u * draft[i, d] < target[i, d]:  # probability min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
-            continue
-        residual = (target[i] - draft[i]).clamp_min(0)
-        if not residual.sum() > 0:  # p == q to rounding: nothing to correct
-            residual = target[i]
-        return i, int(torch.multinomial(residual, 1, generator=generator))
-    return k, int(torch.multinomial(target[k], 1, generator=generator))
+    N, K = drafts.shape
+    rows = torch.arange(N, device=target.device)
+    if K:
+        p_d = target[:, :K].gather(-1, drafts[:, :, None])[..., 0].double()
+        q_d = draft.gather(-1, drafts[:, :, None])[..., 0].double()
+        live = torch.arange(K, device=target.device)[None] < ks[:, None]
+        keep = (u_accept * q_d < p_d) & live  # probability min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
+        j = keep.long().cumprod(-1).sum(-1)
+        q_j = torch.cat([draft, draft.new_zeros(N, 1, draft.shape[-1])], 1)[rows, j]  # zero at j = K
+    else:
+        j = torch.zeros(N, dtype=torch.long, device=target.device)
+        q_j = torch.zeros_like(target[:, 0])
+    p_j = target[rows, j]
+    residual = (p_j - q_j).clamp_min(0)
+    empty = ~(residual.sum(-1) > 0)  # p == q to rounding: nothing to correct
+    residual = torch.where(empty[:, None], p_j, residual)
+    return j, inverse_cdf(residual, u_final)
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int]) -> tuple[int, int]:
-    """The rule at temperature 0: target_logits [k+1, VOCAB]; drafts are kept while each equals the target's
-    argmax (the first one, as the sampler takes it); the round ends with the target's argmax."""
-    best = target_logits.float().argmax(-1).tolist()
-    for i, d in enumerate(drafts):
-        if d != best[i]:
-            return i, best[i]
-    return len(drafts), best[len(drafts)]
+def accept_greedy(
+    target_logits: torch.Tensor, drafts: torch.Tensor, ks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule at temperature 0, batched: target_logits [N, K+1, VOCAB], drafts [N, K], ks [N]; drafts are
+    kept while each equals the target's argmax (the first one, as the sampler takes it); the round ends with
+    the target's argmax."""
+    N, K = drafts.shape
+    best = target_logits.float().argmax(-1)  # [N, K+1]
+    live = torch.arange(K, device=drafts.device)[None] < ks[:, None]
+    j = ((drafts == best[:, :K]) & live).long().cumprod(-1).sum(-1)
+    return j, best[torch.arange(N, device=drafts.device), j]
 
 
 @dataclass
 class _Seq:
     request: Request
     slot: int
-    generator: torch.Generator | None  # None: greedy
+    stream: int | None  # the request's key of the uniforms; None: greedy
+    draws: int = 0  # uniforms of its stream used so far
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -141,7 +167,7 @@ class SpeculativeEngine:
         model: a local MoeCausalLM with MTP layers (`mtp_num_hidden_layers` > 0).
         eos_token_ids: tokens that end a request (unless its `ignore_eos`).
         num_draft_tokens: k, draft tokens per round (>= 1).
-        seed, weights_version: keys of the generators of requests without their own seed (as
+        seed, weights_version: keys of the uniform streams of requests without their own seed (as
             `GenerationEngine` keys its streams).
         max_positions: the longest prompt accepted (the model's max_position_embeddings), None: any.
         max_num_seqs: slots at most (requests running at once), None: no limit.
@@ -166,6 +192,7 @@ class SpeculativeEngine:
         self.max_positions, self.max_num_seqs = max_positions, max_num_seqs
         self.model, self.k = model, num_draft_tokens
         self.decoder = MoeDecoder(model)
+        self.uniforms = resolve("sampling.uniforms")  # each request's numbers of its own stream
         self.drafter = MtpDrafter(self.decoder)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.seed, self.weights_version = seed, weights_version
@@ -201,13 +228,14 @@ class SpeculativeEngine:
         self._check(requests)
         slots = self._take_slots(requests)
         self.state.lengths[torch.tensor(slots, device=self.decoder.device)] = 0
-        seqs = [_Seq(r, i, self._generator(r)) for r, i in zip(requests, slots)]
+        seqs = [_Seq(r, i, self._stream(r)) for r, i in zip(requests, slots)]
         hidden = self.decoder.extend([list(r.prompt_ids) for r in requests], self.state, slots)
         ends = torch.tensor([len(r.prompt_ids) for r in requests]).cumsum(0) - 1
         logits = self.model.logits(hidden[ends.to(hidden.device)])
+        first = list(zip(*(t.tolist() for t in self._first_tokens(logits, seqs))))
         for n, s in enumerate(seqs):
             self._seqs[s.slot] = s
-            x, lp = self._first_token(logits[n], s)
+            x, lp = first[n]
             begin = int(ends[n]) + 1 - len(s.request.prompt_ids)
             s.pending_hidden = hidden[begin : int(ends[n]) + 1]
             s.pending_tokens = list(s.request.prompt_ids[1:]) + [x]
@@ -235,7 +263,7 @@ class SpeculativeEngine:
             self._grow(slots if self.max_num_seqs is None else min(slots, self.max_num_seqs), positions)
 
     def set_weights_version(self, weights_version: int) -> None:
-        """Key the generators of requests admitted from now on by `weights_version`, as `GenerationEngine`
+        """Key the uniform streams of requests admitted from now on by `weights_version`, as `GenerationEngine`
         keys its streams (arrival ranks count from zero again).
 
         Raises:
@@ -268,7 +296,9 @@ class SpeculativeEngine:
             return []
         self.last_round = {}
         ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
-        drafts, draft_probs = self._draft(seqs, ks)
+        K, dev = self.k, self.decoder.device
+        u = self._uniforms(seqs, 2 * K + 1)  # [N, 2K+1]: k draft draws, k acceptance numbers, the last draw
+        drafts, drafted, q = self._draft(seqs, ks, u[:, :K])
         slots = [s.slot for s in seqs]
         saved = save_linear_state(self.state, slots)
         chunks = [[s.pending_tokens[-1]] + d for s, d in zip(seqs, drafts)]
@@ -277,11 +307,26 @@ class SpeculativeEngine:
         offsets = [0]
         for c in chunks:
             offsets.append(offsets[-1] + len(c))
-        outcomes, redo = [], []
+        # [N, K+1] each request's verified rows (a request with k < K repeats its last one, never read)
+        at = torch.tensor([[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))], device=dev)
+        ks_t = torch.tensor(ks, device=dev)
+        j, y = accept_greedy(logits[at], drafted, ks_t)
+        sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
+        if sampled:
+            rows = torch.tensor(sampled, device=dev)
+            temps = torch.tensor([seqs[n].request.params.temperature for n in sampled], device=dev)
+            p = torch.softmax(logits[at[rows]] / temps[:, None, None], -1)
+            if q is None:  # no request drafted this round
+                q = p.new_zeros(len(seqs), K, p.shape[-1])
+            js, ys = accept_drafts(p, q[rows], drafted[rows], ks_t[rows], u[rows, K : 2 * K], u[rows, 2 * K])
+            j, y = j.index_put((rows,), js), y.index_put((rows,), ys)
+        for s in seqs:
+            if s.stream is not None:
+                s.draws += 2 * K + 1
+        outcomes = list(zip(j.tolist(), y.tolist()))  # the round's one read of its outcomes
+        redo = []
         for n, s in enumerate(seqs):
-            rows = logits[offsets[n] : offsets[n + 1]]
-            j, y = self._accept(s, rows, drafts[n], draft_probs[n])
-            outcomes.append((j, y))
+            j = outcomes[n][0]
             if j < ks[n]:
                 redo.append(n)
                 self.stats.rejected += 1
@@ -304,7 +349,7 @@ class SpeculativeEngine:
         for n, s in enumerate(seqs):
             j, y = outcomes[n]
             emitted = drafts[n][:j] + [y]
-            scale = 1.0 if s.generator is None else s.request.params.temperature
+            scale = 1.0 if s.stream is None else s.request.params.temperature
             rows = logits[offsets[n] : offsets[n] + j + 1] / scale
             lps = rows.log_softmax(-1).gather(-1, torch.tensor(emitted, device=rows.device)[:, None])[:, 0]
             if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
@@ -318,15 +363,19 @@ class SpeculativeEngine:
 
     # ---- rounds ----------------------------------------------------------------------------------
 
-    def _draft(self, seqs: list[_Seq], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Up to ks[n] draft tokens per request and their draft distributions q [ks[n], VOCAB] fp64 (None
-        for greedy requests): the MTP layer's catch-up over the pending positions, then one position
-        per further draft."""
+    def _draft(
+        self, seqs: list[_Seq], ks: list[int], u: torch.Tensor
+    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor | None]:
+        """Up to ks[n] draft tokens per request, drawn with the uniforms u [N, K]: as lists, as a [N, K] int64
+        tensor (0 past ks[n]), and their draft distributions q [N, K, VOCAB] fp32 on the device (zero rows
+        past ks[n] and for greedy requests; None when no request drafts): the MTP layer's catch-up over the
+        pending positions, then one position per further draft, each step batched over the live requests."""
+        dev = self.decoder.device
         drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        drafted = torch.zeros(len(seqs), self.k, dtype=torch.int64, device=dev)
         rows = [n for n, k in enumerate(ks) if k > 0]
         if not rows:
-            return drafts, [None] * len(seqs)
+            return drafts, drafted, None
         sub = [seqs[n] for n in rows]
         out = self.drafter.forward(
             torch.cat([s.pending_hidden for s in sub]),
@@ -339,12 +388,19 @@ class SpeculativeEngine:
         g = out[ends.to(out.device)]  # [R, D] the output at each request's last consumed position
         for s in sub:
             s.mtp_start += len(s.pending_tokens)
+        temps, greedy = self._temperatures(seqs)
+        q_all = None
         for i in range(max(ks)):
             logits = self.model.logits(g).float()
-            for r, n in enumerate(rows):
-                d, q = self._draw_draft(seqs[n], logits[r])
-                drafts[n].append(d)
-                probs[n].append(q)
+            idx = torch.tensor(rows, device=dev)
+            q = torch.softmax(logits / temps[idx, None], -1)
+            tokens = torch.where(greedy[idx], logits.argmax(-1), inverse_cdf(q, u[idx, i]))
+            if q_all is None:
+                q_all = q.new_zeros(len(seqs), self.k, q.shape[-1])
+            q_all[idx, i] = torch.where(greedy[idx, None], 0.0, q)
+            drafted[idx, i] = tokens
+            for n, t in zip(rows, tokens.tolist()):
+                drafts[n].append(t)
             live = [r for r, n in enumerate(rows) if ks[n] > i + 1]
             if not live:
                 break
@@ -358,32 +414,36 @@ class SpeculativeEngine:
                 [seqs[rows[r]].mtp_start + i for r in live],
             )
             rows = [rows[r] for r in live]
-        q = [None if s.generator is None or not p else torch.stack(p) for s, p in zip(seqs, probs)]
-        return drafts, q
+        return drafts, drafted, q_all
 
-    def _draw_draft(self, s: _Seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if s.generator is None:
-            return int(logits.argmax()), None
-        q = torch.softmax(logits.double().cpu() / s.request.params.temperature, -1)
-        return int(torch.multinomial(q, 1, generator=s.generator)), q
+    def _temperatures(self, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] fp32 temperatures (1 for greedy requests) and [N] bool greedy, on the device."""
+        dev = self.decoder.device
+        temps = [1.0 if s.stream is None else s.request.params.temperature for s in seqs]
+        greedy = [s.stream is None for s in seqs]
+        return torch.tensor(temps, device=dev), torch.tensor(greedy, device=dev)
 
-    def _accept(self, s: _Seq, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> tuple[int, int]:
-        if s.generator is None:
-            return accept_greedy(logits, drafts)
-        p = torch.softmax(logits.double().cpu() / s.request.params.temperature, -1)
-        if q is None:
-            q = p.new_zeros(0, p.shape[1])
-        return accept_drafts(p, q, drafts, s.generator)
+    def _uniforms(self, seqs: Sequence[_Seq], count: int) -> torch.Tensor:
+        """[N, count] fp64 on the device: numbers draws .. draws + count - 1 of each request's stream (a
+        greedy request's row is never read)."""
+        streams = torch.tensor([0 if s.stream is None else s.stream for s in seqs], dtype=torch.int64)
+        index = torch.tensor([s.draws for s in seqs], dtype=torch.int64)[:, None] + torch.arange(count)
+        streams = streams[:, None].expand(-1, count).reshape(-1)
+        dev = self.decoder.device
+        return self.uniforms(streams.to(dev), index.reshape(-1).to(dev)).view(len(seqs), count)
 
-    def _first_token(self, logits: torch.Tensor, s: _Seq) -> tuple[int, float]:
-        """The token after the prompt: argmax or a draw of the request's generator; its log-prob."""
-        T = 1.0 if s.generator is None else s.request.params.temperature
-        lp = (logits.float() / T).log_softmax(-1)
-        if s.generator is None:
-            x = int(lp.argmax())
-        else:
-            x = int(torch.multinomial(torch.softmax(logits.double().cpu() / T, -1), 1, generator=s.generator))
-        return x, float(lp[x])
+    def _first_tokens(self, logits: torch.Tensor, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens after the prompts: argmax, or an inverse-CDF draw with number 0 of the request's stream;
+        and their log-probs. logits: [N, VOCAB]."""
+        temps, greedy = self._temperatures(seqs)
+        lp = (logits.float() / temps[:, None]).log_softmax(-1)
+        x = lp.argmax(-1)
+        if not bool(greedy.all()):
+            x = torch.where(greedy, x, inverse_cdf(lp.exp(), self._uniforms(seqs, 1)[:, 0]))
+        for s in seqs:
+            if s.stream is not None:
+                s.draws = 1
+        return x, lp.gather(-1, x[:, None])[:, 0]
 
     def _emit(self, s: _Seq, tokens: list[int], log_probs: list[float]) -> None:
         """Record tokens until one ends the request (a stop id, or max_tokens reached)."""
@@ -464,17 +524,18 @@ class SpeculativeEngine:
             except ValueError as e:
                 raise ValueError(f"request {r.request_id!r}: {e}") from None
 
-    def _generator(self, r: Request) -> torch.Generator | None:
+    def _stream(self, r: Request) -> int | None:
+        """The key of the request's uniforms: its seed, or derived as `GenerationEngine` derives it; None
+        for a greedy request."""
         params: SamplingParams = r.params
         if params.greedy:
             return None
         if params.seed is not None:
-            stream = params.seed
-        else:
-            copy = (r.prompt_ids, r.sample_key)
-            stream = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
-            self._copies[copy] += 1
-        return torch.Generator().manual_seed(stream)
+            return params.seed
+        copy = (r.prompt_ids, r.sample_key)
+        stream = stream_seed(self.seed, self.weights_version, r.prompt_ids, f"{r.sample_key}/{self._copies[copy]}")
+        self._copies[copy] += 1
+        return stream
 
 
 __all__ = ["SpeculativeEngine", "SpeculativeStats", "accept_drafts", "accept_greedy", "check_sampling"]

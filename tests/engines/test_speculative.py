@@ -29,6 +29,7 @@ from verl_moe.engines.rollout.sampling import SamplingParams
 from verl_moe.engines.rollout.speculative import SpeculativeEngine, accept_drafts
 from verl_moe.models.decode import AttentionCache, LinearCache, MoeDecoder
 from verl_moe.models.mtp_decode import MtpDrafter
+from verl_moe.ops.sampling import inverse_cdf
 
 PROMPTS = [(5, 9, 3, 7, 1), (11,), (2, 4, 6, 8, 10, 12, 14), (3, 3, 3)]
 TOL = 1e-5
@@ -98,16 +99,19 @@ def test_greedy_equals_plain_decoding(model, k):
 # ---- sampled: the target's distribution --------------------------------------------------------
 
 
-def _always_accept(target, draft, drafts, generator):
-    return len(drafts), int(torch.multinomial(target[len(drafts)], 1, generator=generator))
+def _always_accept(target, draft, drafts, ks, u_accept, u_final):
+    rows = torch.arange(len(ks))
+    return ks, inverse_cdf(target[rows, ks], u_final)
 
 
-def _resample_from_target(target, draft, drafts, generator):
+def _resample_from_target(target, draft, drafts, ks, u_accept, u_final):
     """Right acceptance test, but a rejection redraws from p instead of max(0, p - q)."""
-    for i, d in enumerate(drafts):
-        if torch.rand((), dtype=torch.float64, generator=generator) * draft[i, d] >= target[i, d]:
-            return i, int(torch.multinomial(target[i], 1, generator=generator))
-    return len(drafts), int(torch.multinomial(target[len(drafts)], 1, generator=generator))
+    K = drafts.shape[1]
+    p_d = target[:, :K].gather(-1, drafts[:, :, None])[..., 0].double()
+    q_d = draft.gather(-1, drafts[:, :, None])[..., 0].double()
+    keep = (u_accept * q_d < p_d) & (torch.arange(K)[None] < ks[:, None])
+    j = keep.long().cumprod(-1).sum(-1)
+    return j, inverse_cdf(target[torch.arange(len(ks)), j], u_final)
 
 
 def _target_probs(model, prompt, prefixes, temperature):
@@ -175,23 +179,26 @@ def test_rule_keeps_joint_distribution(rule):
     """The rule alone on a 5-token vocabulary with k = 2, where p and q of the second position depend on
     the first token: the round's first two tokens (a second token drawn from p directly after a rejection
     at the first draft) must follow p_0(a) p_1(b | a), 20000 rounds, 25 cells."""
-    V, gen = 5, torch.Generator().manual_seed(0)
+    V, N, gen = 5, 20000, torch.Generator().manual_seed(0)
 
     def table(*shape):
         return torch.softmax(torch.randn(*shape, V, generator=gen, dtype=torch.float64) * 1.5, -1)
 
     p0, p1, p2 = table(), table(V), table(V, V)
     q1, q2 = table(), table(V)
-    counts = torch.zeros(V, V, dtype=torch.float64)
-    for _ in range(20000):
-        d1 = int(torch.multinomial(q1, 1, generator=gen))
-        d2 = int(torch.multinomial(q2[d1], 1, generator=gen))
-        j, y = rule(torch.stack([p0, p1[d1], p2[d1, d2]]), torch.stack([q1, q2[d1]]), [d1, d2], gen)
-        tokens = [d1, d2][:j] + [y]
-        if len(tokens) == 1:
-            tokens.append(int(torch.multinomial(p1[tokens[0]], 1, generator=gen)))
-        counts[tokens[0], tokens[1]] += 1
-    expected = 20000 * p0[:, None] * p1
+    d1 = torch.multinomial(q1, N, replacement=True, generator=gen)
+    d2 = torch.multinomial(q2[d1], 1, generator=gen)[:, 0]
+    target = torch.stack([p0.expand(N, V), p1[d1], p2[d1, d2]], 1)
+    draft = torch.stack([q1.expand(N, V), q2[d1]], 1)
+    u = torch.rand(N, 4, generator=gen, dtype=torch.float64)
+    j, y = rule(target, draft, torch.stack([d1, d2], 1), torch.full((N,), 2), u[:, :2], u[:, 2])
+    first = torch.where(j == 0, y, d1)
+    # the second token: d2 when both kept, y after one kept, drawn from p1 after a rejection at the first
+    second = torch.where(j == 2, d2, torch.where(j == 1, y, inverse_cdf(p1[first], u[:, 3])))
+    counts = torch.zeros(V, V, dtype=torch.float64).index_put_(
+        (first, second), torch.ones(N, dtype=torch.float64), accumulate=True
+    )
+    expected = N * p0[:, None] * p1
     p_value = _p_value(((counts - expected) ** 2 / expected).sum().item(), V * V - 1)
     assert p_value > 1e-3 if rule is accept_drafts else p_value < 1e-6, p_value
 
