@@ -1,5 +1,6 @@
 """Runs repeat: two runs of verl's `main_ppo` with `recipe/tiny_cpu` as written and the same seed log the
-same metrics at every step, exactly. The CPU recipes set the switches themselves (`configs/determinism/`,
+same metrics at every step, exactly (`two_runs_log_the_same_metrics`, run for tiny_cpu by test_main_ppo.py's
+two-step test, whose run it is). The CPU recipes set the switches themselves (`configs/determinism/`,
 docs/reproducibility.md): the content-ordered replay buffer (verl's v1 trainer otherwise takes a batch in
 the order its trajectories finished) and, but in exact mode, verl's `full_determinism` on our rollout
 (sampling streams keyed by verl's stable request ids, one request decoding at a time). The other CPU
@@ -94,10 +95,16 @@ def _start(toy_rl, paths, workdir, recipe, env):
 
 def _metrics(workdir) -> dict[int, dict]:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r["data"].items() if not k.startswith(WALL_CLOCK)} for r in rows}
+    return {r["step"]: r["data"] for r in rows}
 
 
-def _two_runs_log_the_same_metrics(tmp_path, recipe: str, env: dict[str, str]) -> None:
+def _results(metrics: dict[int, dict]) -> dict[int, dict]:
+    return {step: {k: v for k, v in data.items() if not k.startswith(WALL_CLOCK)} for step, data in metrics.items()}
+
+
+def two_runs_log_the_same_metrics(tmp_path, recipe: str, env: dict[str, str]) -> dict[int, dict]:
+    """Run the recipe twice at once and assert their metrics equal but wall-clock readings; the first run's
+    {step: metrics}."""
     toy_rl = _toy_rl()
     paths = toy_rl.make(str(tmp_path / "toy"), task="arith")
     workdirs = [tmp_path / "run0", tmp_path / "run1"]
@@ -111,7 +118,8 @@ def _two_runs_log_the_same_metrics(tmp_path, recipe: str, env: dict[str, str]) -
                 p.wait()
     for code, w in zip(codes, workdirs):
         assert code == 0, f"main_ppo exit {code}:\n{(w / 'main_ppo.log').read_text()[-6000:]}"
-    first, second = (_metrics(w) for w in workdirs)
+    logged = _metrics(workdirs[0])
+    first, second = _results(logged), _results(_metrics(workdirs[1]))
     assert sorted(first) == sorted(second) == list(range(1, STEPS + 1))
     for step in first:
         assert first[step].keys() == second[step].keys()
@@ -119,12 +127,7 @@ def _two_runs_log_the_same_metrics(tmp_path, recipe: str, env: dict[str, str]) -
         assert not differ, (step, differ)
     if "actor/kl_loss" in first[2]:  # the KL to the reference (not in PPO): step 2 sampled from updated weights
         assert first[2]["actor/kl_loss"] > 0
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_two_runs_log_the_same_metrics(tmp_path):
-    _two_runs_log_the_same_metrics(tmp_path, "tiny_cpu", {})
+    return logged
 
 
 @pytest.mark.dist
@@ -132,4 +135,4 @@ def test_two_runs_log_the_same_metrics(tmp_path):
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("recipe", sorted(SLOW_RECIPES))
 def test_two_runs_of_every_cpu_recipe_log_the_same_metrics(tmp_path, recipe):
-    _two_runs_log_the_same_metrics(tmp_path, recipe, SLOW_RECIPES[recipe])
+    two_runs_log_the_same_metrics(tmp_path, recipe, SLOW_RECIPES[recipe])
