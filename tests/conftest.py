@@ -1,14 +1,19 @@
 """Shared test setup: GPU tests skip without an accelerator; test modules that need verl skip with the
-reason where it is not installed or does not import (verl without Ray); fixed seeds; NaN-poisoned
-`torch.empty` in op tests so tiles a kernel forgets to write show up as NaN."""
+reason where it is not installed or does not import (verl without Ray); GPU tests that share one device
+between pytest-xdist workers take its memory in turns; fixed seeds; NaN-poisoned `torch.empty` in op tests
+so tiles a kernel forgets to write show up as NaN."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import gc
 import importlib
 import importlib.util
 import os
 import re
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -88,6 +93,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A GPU test that leaves more than this reserved on the device without the gpu_memory mark is reported (with
+# 8 workers on an 80 GiB card, each has about this much when none is marked).
+_SHARED_GPU_GIB = 8.0
+
+
+@pytest.fixture(autouse=True)
+def _device_memory_in_turns(request):
+    """Under pytest-xdist, the workers' GPU tests share one device: a `gpu_memory` test runs alone on it (an
+    exclusive lock), the others together (a shared lock), and each gives its cached blocks back afterwards, so
+    a large test finds the memory that other workers' caches would otherwise hold."""
+    worker_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if worker_run is None or "gpu" not in request.keywords or not device.is_accelerator():
+        yield
+        return
+    alone = request.node.get_closest_marker("gpu_memory") is not None
+    module = device.device_module()
+    with open(os.path.join(tempfile.gettempdir(), f"verl_moe_gpu_{worker_run}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        module.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            peak = module.max_memory_reserved() / 2**30
+            gc.collect()
+            module.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if not alone and peak > _SHARED_GPU_GIB:
+        warnings.warn(
+            f"{request.node.nodeid} reserved {peak:.1f} GiB of device memory: mark it gpu_memory", stacklevel=1
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -211,6 +211,7 @@ def test_scatter_and_gather_sum_are_adjoint(nan_poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("n_tokens", [256, 4096, 16384])
 def test_gpu_qwen_experts(n_tokens):
     """Qwen3.5-35B experts (256 x (2048 -> 512), top-8), bf16: the Triton path's output and every

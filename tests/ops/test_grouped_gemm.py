@@ -160,6 +160,7 @@ def test_bad_inputs_raise(args, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("proj", ["gate_up", "down"])
 def test_qwen35_shapes_vs_grouped_mm(proj):
     """256 experts, D=2048, I=512, 8192 tokens routed top-8 (65,536 rows), bf16: ours vs the fp64 loop
