@@ -25,7 +25,8 @@ def check_experts_inputs(
     hidden, gate_up_proj, down_proj, topk_idx, topk_weight, num_experts: int | None = None
 ) -> None:
     """Raise ValueError for shapes and dtypes the expert op cannot take. Expert ids must lie in
-    [0, num_experts) (default: the experts the weights hold; more under expert parallelism)."""
+    [0, num_experts) (default: the experts the weights hold; more under expert parallelism): checked on the
+    host (ValueError), on cuda by the device without waiting for it (a device-side assert)."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, D], got {tuple(hidden.shape)}")
     N, D = hidden.shape
@@ -49,10 +50,17 @@ def check_experts_inputs(
     if not topk_weight.is_floating_point():
         raise ValueError(f"topk_weight must be floating point, got {topk_weight.dtype}")
     E = E if num_experts is None else num_experts
-    if topk_idx.numel() and not device.capturing():  # a graph capture cannot read values back
-        lo, hi = torch.aminmax(topk_idx)  # one device sync
-        if lo < 0 or hi >= E:
-            raise ValueError(f"topk_idx values must be in [0, E={E})")
+    if not topk_idx.numel() or device.capturing():  # a graph capture cannot read values back
+        return
+    message = f"topk_idx values must be in [0, E={E})"
+    if topk_idx.device.type == "cuda":
+        # checked on the device: a host read here would stall the training step at every MoE layer until the
+        # device caught up (a failure is a device-side assert with the message, reported at the next sync)
+        torch._assert_async(((topk_idx >= 0) & (topk_idx < E)).all(), message)
+        return
+    lo, hi = torch.aminmax(topk_idx)  # one device sync
+    if lo < 0 or hi >= E:
+        raise ValueError(message)
 
 
 class _EmptyExperts(torch.autograd.Function):
