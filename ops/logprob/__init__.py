@@ -50,8 +50,14 @@ def _check_tensors(hidden, weight, labels) -> None:
 
 
 def _check_values(bad_temperature: torch.Tensor, labels: torch.Tensor, vocab: int) -> None:
-    """Raise ValueError on a bad temperature flag or a label outside [0, VOCAB): one device read for both."""
+    """Raise ValueError on a bad temperature flag or a label outside [0, VOCAB): one device read for both;
+    on cuda checked by the device without waiting for it (a device-side assert with the message): a host read
+    here would hold the step's launches until the forward before it had run."""
     bad_label = ((labels < 0) | (labels >= vocab)).any() if labels.numel() else torch.zeros_like(bad_temperature)
+    if labels.device.type == "cuda":
+        torch._assert_async(~bad_temperature, "temperature must be finite and > 0 for every token")
+        torch._assert_async(~bad_label, f"labels must lie in [0, VOCAB={vocab})")
+        return
     flags = torch.stack([bad_temperature, bad_label]).tolist()
     if flags[0]:
         raise ValueError("temperature must be finite and > 0 for every token")
@@ -114,7 +120,8 @@ def logprobs_and_entropy(
         Both differentiable w.r.t. hidden and weight; inputs are never modified.
 
     Raises:
-        ValueError: bad shapes or dtypes, labels out of range, temperature <= 0 (before any launch),
+        ValueError: bad shapes or dtypes, labels out of range, temperature <= 0 (before any launch; on cuda a
+            tensor's values are checked by the device, a device-side assert),
             or an impl that cannot run here.
     """
     _check_tensors(hidden, weight, labels)
