@@ -321,6 +321,30 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
     return "\n\n".join(parts) + f"\n\n{footer(reports)}"
 
 
+def is_ppo(report: dict) -> bool:
+    """A main_ppo report of a run with a critic (benchmarks/ppo.sh's recipe)."""
+    return "tiny_cpu_ppo" in report["argv"]
+
+
+def ppo_section(reports: list[tuple[str, dict]]) -> str:
+    header = ["step", "generation s", "old log-prob s", "values s", "critic update s", "actor update s"]
+    header += ["weight sync s", "step s", "critic/vf_loss", "critic/values/mean", "trainer peak GiB"]
+    parts = []
+    for name, rep in reports:
+        steps = [json.loads(line) for line in (RESULTS / rep["metrics"]).read_text().splitlines() if line.strip()]
+        body = [
+            [str(s["step"])]
+            + [num(s["data"].get(f"timing_s/{k}")) for k in ("gen", "old_log_prob", "values", "update_critic")]
+            + [num(s["data"].get(f"timing_s/{k}")) for k in ("update_actor", "update_weights", "step")]
+            + [num(s["data"]["critic/vf_loss"], 4), sci(s["data"]["critic/values/mean"])]
+            + [num(s["data"].get("actor/perf/max_memory_allocated_gb"), 3)]
+            for s in steps
+            if "timing_s/gen" in s["data"]
+        ]
+        parts += [f"`{name}`", table(header, body, set(range(len(header))))]
+    return "\n\n".join(parts) + f"\n\n{footer(reports)}"
+
+
 def decode_section(reports: list[tuple[str, dict]]) -> str:
     header = ["provider", "batch", "step ms", "first pass ms", "cold ms", "prefill ms", "tokens/s", "vs transformers"]
     header += ["floor ms", "peak GiB"]
@@ -533,7 +557,8 @@ def render(reports: dict[str, dict]) -> str:
     model = [(n, r) for n, r in bench if r["op"] == "model"]
     step = [(n, r) for n, r in model if not any(row["case"].endswith("-ckpt") for row in r["rows"])]
     memory = [(n, r) for n, r in model if (n, r) not in step]
-    rollout = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo"]
+    rollout = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo" and not is_ppo(r)]
+    ppo = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo" and is_ppo(r)]
     align = [(n, r) for n, r in reports.items() if r["tool"] == "align"]
 
     sections = [
@@ -642,6 +667,17 @@ def render(reports: dict[str, dict]) -> str:
             "`free_cache_engine=true` frees the rollout model, its decode slots and graphs at every sleep and "
             "builds them again each step; `false` keeps them resident across steps.",
             rollout_section(rollout),
+        ]
+    if ppo:
+        sections += [
+            "## PPO with a critic through verl's main_ppo",
+            "`benchmarks/ppo.sh`: `recipe/tiny_cpu_ppo` with `platform=gpu_single` (actor, critic and our rollout "
+            "share one GPU): our fsdp2 engine for the actor and for the critic (the actor's model spec with a value "
+            "head, started from the actor's checkpoint), GAE, on the reduced Qwen3.5-MoE with 4 layers, "
+            "scripts/toy_rl.py's arith task, 32 prompts x 8 samples per step, responses up to 256 tokens, bf16 "
+            "compute over fp32 master weights, the rollout engine kept across steps. Step 1 includes the first "
+            "Triton compiles and autotuning.",
+            ppo_section(ppo),
         ]
     if align:
         sections += [

@@ -66,15 +66,26 @@ class _NeedsVerl(pytest.Module):
         pytest.skip(_verl_unmet())
 
 
+# Optional packages a test module may reach at import (through our engines): missing, the module is skipped
+_OPTIONAL = {"veomni": "VeOmni is not installed (pip install veomni==0.1.12 --no-deps)"}
+
+
 class _ImportsVerl(pytest.Module):
     """A test module that imports verl, where verl is installed: an import error that verl's own import
-    explains (no Ray, an incomplete one) reports the module skipped with that reason; any other stays an error."""
+    explains (no Ray, an incomplete one), or a missing optional package (`_OPTIONAL`), reports the module
+    skipped with that reason; any other stays an error."""
 
     def _getobj(self):
         try:
             return super()._getobj()
-        except Exception:  # an ImportError comes as pytest's CollectError, an incomplete Ray's AttributeError as is
+        except (
+            Exception
+        ) as exc:  # an ImportError comes as pytest's CollectError, an incomplete Ray's AttributeError as is
             reason = _verl_unmet()
+            cause = exc.__cause__ if isinstance(exc.__cause__, ModuleNotFoundError) else exc
+            missing = getattr(cause, "name", None) or ""
+            if reason is None and missing.split(".")[0] in _OPTIONAL:
+                reason = _OPTIONAL[missing.split(".")[0]]
             if reason is None:
                 raise
             pytest.skip(reason)

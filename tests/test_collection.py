@@ -4,6 +4,7 @@ fresh interpreter where packages are made absent (each name set to None in sys.m
 installed):
 
 - verl installed without Ray (`import verl` fails inside verl);
+- verl with its stack but none of the optional packages (VeOmni, fla, megatron-core, vLLM, Liger);
 - a bare GPU machine: torch, Triton, transformers and the test extra, none of verl's stack nor the optional
   packages.
 
@@ -37,6 +38,10 @@ BARE_GPU_MACHINE = (
     "vllm",
     "liger_kernel",
 )
+
+
+# verl with its whole stack, none of the optional packages (a `pip install verl-moe` GPU machine)
+WITHOUT_OPTIONAL = ("megatron", "fla", "veomni", "vllm", "liger_kernel")
 
 
 def collect_gpu_tests(absent: tuple[str, ...], tmp_path: Path) -> tuple[int, str, set[str]]:
@@ -78,7 +83,11 @@ def everything(tmp_path_factory):
     return ids
 
 
-@pytest.mark.parametrize("absent", [WITHOUT_RAY, BARE_GPU_MACHINE], ids=["verl_without_ray", "bare_gpu_machine"])
+@pytest.mark.parametrize(
+    "absent",
+    [WITHOUT_RAY, WITHOUT_OPTIONAL, BARE_GPU_MACHINE],
+    ids=["verl_without_ray", "verl_without_optional", "bare_gpu_machine"],
+)
 def test_gpu_suite_collects_without_errors(absent, everything, tmp_path):
     code, output, ids = collect_gpu_tests(absent, tmp_path)
     assert code == 0, f"pytest exit {code} with {absent} absent:\n{output[-3000:]}"

@@ -203,6 +203,7 @@ def test_gpu_varlen_batch_rows_deterministic_and_refuses_fp32():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_gpu_varlen_long_sequences_match_formula():
     """Mean length >= LONG_SEQUENCE: the per-sequence SDPA path with shared key/value heads."""
     check_gpu("varlen", [5000, 0, 4200], strided=True)

@@ -421,6 +421,7 @@ def test_gpu_qwen_shapes_match_reference(dtype, gate, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_gpu_varlen_many_short_sequences():
     lengths = [1, 63, 64, 65, 500, 7, 300] + [3] * 200
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEV)
@@ -429,6 +430,7 @@ def test_gpu_varlen_many_short_sequences():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_gpu_long_bf16_stress_finite_and_deterministic():
     x = make_inputs(1, 65536, dtype=torch.bfloat16, gate="in_kernel", **QWEN)
     with torch.no_grad():
