@@ -2,7 +2,10 @@
 reduced Qwen3.5-MoE's projections (one layer's worth each, summed over the model) and its LM head through
 `linear_rows_triton`, and of its routed experts' forward through the pinned grouped GEMM, at a decode step's
 rows (256) and a training micro-batch's (16,384; the head in its passes of 1,024 rows), per projection shape.
-cuBLAS (F.linear, F.grouped_mm, batch-dependent tiles) is the anchor. One JSON record per line.
+cuBLAS (F.linear, F.grouped_mm, batch-dependent tiles) is the anchor. Each projection and head record also says,
+per candidate, whether its output equals the config exact mode uses for that width bitwise (`same_as_used`): where
+configs of one K step agree, the row count could pick among them without changing a row's result. One JSON record
+per line.
 
 python benchmarks/exact_tiles.py [layers]
 """
@@ -63,6 +66,14 @@ def bench(fn, *args, **kwargs) -> float:
     return do_bench(lambda: fn(*args, **kwargs))
 
 
+def same_as_used(a, w, out_dtype=None) -> dict[str, bool]:
+    """Per candidate config: its output bitwise equal to that of the config exact mode takes for w's width."""
+    used = gemm(a, w, out_dtype=out_dtype)
+    return {
+        name: torch.equal(gemm(a, w, out_dtype=out_dtype, config=cfg), used) for name, cfg in linear_configs.items()
+    }
+
+
 def measure(rows: int) -> None:
     x = torch.randn(rows, config.hidden_size, device=dev, dtype=torch.bfloat16)
     head_rows = x[: min(rows, ROWS_PER_PASS)]
@@ -72,11 +83,11 @@ def measure(rows: int) -> None:
         times = {"cublas": count * bench(F.linear, a, w)}
         for name, cfg in linear_configs.items():
             times[name] = count * bench(gemm, a, w, config=cfg)
-        emit(op="projection", rows=rows, N=N, K=Kd, count=count, ms=times)
+        emit(op="projection", rows=rows, N=N, K=Kd, count=count, ms=times, same_as_used=same_as_used(a, w))
     times = {"cublas": passes * bench(F.linear, head_rows, head)}
     for name, cfg in linear_configs.items():
         times[name] = passes * bench(gemm, head_rows, head, out_dtype=torch.float32, config=cfg)
-    emit(op="head", rows=rows, ms=times)
+    emit(op="head", rows=rows, ms=times, same_as_used=same_as_used(head_rows, head, torch.float32))
     idx = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(rows)])
     routing = moe_sort(idx.reshape(-1), E)
     w = torch.rand(rows * K, device=dev)
