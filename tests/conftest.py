@@ -78,14 +78,12 @@ class _ImportsVerl(pytest.Module):
     def _getobj(self):
         try:
             return super()._getobj()
-        except (
-            Exception
-        ) as exc:  # an ImportError comes as pytest's CollectError, an incomplete Ray's AttributeError as is
-            reason = _verl_unmet()
+        # an ImportError comes as pytest's CollectError (the ImportError its cause), an incomplete Ray's
+        # AttributeError as is
+        except Exception as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, ModuleNotFoundError) else exc
-            missing = getattr(cause, "name", None) or ""
-            if reason is None and missing.split(".")[0] in _OPTIONAL:
-                reason = _OPTIONAL[missing.split(".")[0]]
+            missing = (getattr(cause, "name", None) or "").split(".")[0]
+            reason = _verl_unmet() or _OPTIONAL.get(missing)
             if reason is None:
                 raise
             pytest.skip(reason)
