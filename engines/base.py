@@ -342,10 +342,11 @@ class MoeEngineBase(BaseEngine):
             outputs.append(
                 {
                     "model_output": {k: v.detach() for k, v in model_output.items()} if keep_output else {},
-                    "loss": 0.0 if loss is None else loss.detach().item(),
+                    "loss": None if loss is None else loss.detach(),
                     "metrics": metrics,
                 }
             )
+        _read_losses(outputs)
         return postprocess_batch_func(outputs, indices, data)  # model outputs back in the batch's order
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> dict:
@@ -500,6 +501,16 @@ class MoeEngineBase(BaseEngine):
         """True on the first rank of each sequence-parallel group (every rank without SP): the ranks
         of one group hold the same gathered outputs, and verl collects one copy per data-parallel rank."""
         return self.sequence_parallel is None or self.sequence_parallel.rank == 0
+
+
+def _read_losses(outputs: list[dict]) -> None:
+    """Each micro-batch's "loss" (a device scalar, or None) as a float, read back in one go after the last
+    micro-batch: a read per micro-batch would hold the host until that micro-batch's backward had run, and the
+    device would wait while the next one is packed."""
+    losses = [o["loss"].float() for o in outputs if o["loss"] is not None]
+    values = iter(torch.stack(losses).tolist() if losses else [])
+    for o in outputs:
+        o["loss"] = 0.0 if o["loss"] is None else next(values)
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
