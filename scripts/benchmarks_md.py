@@ -286,6 +286,12 @@ def memory_section(reports: list[tuple[str, dict]]) -> str:
     return f"{table(header, body, right)}\n\n{footer(reports)}"
 
 
+def metric_steps(report: dict) -> list[dict]:
+    """The per-step records of a main_ppo report (verl's file logger, one JSON object a line)."""
+    lines = (RESULTS / report["metrics"]).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def rollout_section(reports: list[tuple[str, dict]]) -> str:
     parts = []
     header = ["step", "generation s", "generation tokens/s", "response length", "old log-prob s", "reference s"]
@@ -295,7 +301,7 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
         key = "actor_rollout_ref.rollout.free_cache_engine="
         free = next((a[len(key) :] for a in rep["argv"] if a.startswith(key)), "true (verl's default)")
         parts.append(f"`{name}`: `free_cache_engine={free}`")
-        steps = [json.loads(line) for line in (RESULTS / rep["metrics"]).read_text().splitlines() if line.strip()]
+        steps = metric_steps(rep)
         body = []
         for s in steps:
             d = s["data"]
@@ -326,16 +332,19 @@ def is_ppo(report: dict) -> bool:
     return "tiny_cpu_ppo" in report["argv"]
 
 
+# verl's timing_s/* keys of a PPO step, in the table's order
+PPO_TIMINGS = ("gen", "old_log_prob", "values", "update_critic", "update_actor", "update_weights", "step")
+
+
 def ppo_section(reports: list[tuple[str, dict]]) -> str:
     header = ["step", "generation s", "old log-prob s", "values s", "critic update s", "actor update s"]
     header += ["weight sync s", "step s", "critic/vf_loss", "critic/values/mean", "trainer peak GiB"]
     parts = []
     for name, rep in reports:
-        steps = [json.loads(line) for line in (RESULTS / rep["metrics"]).read_text().splitlines() if line.strip()]
+        steps = metric_steps(rep)
         body = [
             [str(s["step"])]
-            + [num(s["data"].get(f"timing_s/{k}")) for k in ("gen", "old_log_prob", "values", "update_critic")]
-            + [num(s["data"].get(f"timing_s/{k}")) for k in ("update_actor", "update_weights", "step")]
+            + [num(s["data"].get(f"timing_s/{k}")) for k in PPO_TIMINGS]
             + [num(s["data"]["critic/vf_loss"], 4), sci(s["data"]["critic/values/mean"])]
             + [num(s["data"].get("actor/perf/max_memory_allocated_gb"), 3)]
             for s in steps

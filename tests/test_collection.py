@@ -25,23 +25,9 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 WITHOUT_RAY = ("ray",)
-BARE_GPU_MACHINE = (
-    "ray",
-    "verl",
-    "hydra",
-    "omegaconf",
-    "tensordict",
-    "transfer_queue",
-    "megatron",
-    "fla",
-    "veomni",
-    "vllm",
-    "liger_kernel",
-)
-
-
 # verl with its whole stack, none of the optional packages (a `pip install verl-moe` GPU machine)
 WITHOUT_OPTIONAL = ("megatron", "fla", "veomni", "vllm", "liger_kernel")
+BARE_GPU_MACHINE = ("ray", "verl", "hydra", "omegaconf", "tensordict", "transfer_queue", *WITHOUT_OPTIONAL)
 
 
 def collect_gpu_tests(absent: tuple[str, ...], tmp_path: Path) -> tuple[int, str, set[str]]:
