@@ -182,8 +182,11 @@ class MoeDecoder:
         last = cu[1:].long() - 1  # each prompt's last token
         return self._logits(hidden[last], residual[last])
 
-    def _walk(self, prompts, state: SlotState, slots, starts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`prefill`'s checks and layer walk: (hidden [T, D] before the final norm, its residual, cu [N+1])."""
+    def _walk(
+        self, prompts, state: SlotState, slots, starts, linear_inputs: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`prefill`'s checks and layer walk: (hidden [T, D] before the final norm, its residual, cu [N+1]);
+        `linear_inputs` (a list) receives each GatedDeltaNet layer's input [1, T, D]."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt, each with at least one token")
         S = state.num_slots
@@ -218,6 +221,8 @@ class MoeDecoder:
         def mixer(layer, x):
             cache = next(caches)
             if layer.layer_type == "linear_attention":
+                if linear_inputs is not None:
+                    linear_inputs.append(x)
                 return layer.linear_attn.prefill(x, (cu, cu_cpu), cache, slot_index, None if fresh else starts)
             chunks = None if fresh else list(zip(slots, starts))
             return layer.self_attn.prefill(x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos, chunks)
@@ -227,14 +232,46 @@ class MoeDecoder:
         return hidden[0], residual[0], cu
 
     @torch.no_grad()
-    def extend(self, chunks: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]) -> torch.Tensor:
+    def extend(
+        self,
+        chunks: Sequence[Sequence[int]],
+        state: SlotState,
+        slots: Sequence[int],
+        linear_inputs: list | None = None,
+    ) -> torch.Tensor:
         """Feed each slot its chunk of tokens from the slot's length on (a fresh slot takes its prompt), as
         `prefill` with the slots' lengths as starts; returns the final normed hidden state [T, D] of every fed
         token, chunks packed in order (`MoeCausalLM.logits` of it: every position's logits, what verifying
-        drafted tokens needs)."""
+        drafted tokens needs). `linear_inputs` (a list) receives each GatedDeltaNet layer's input [1, T, D],
+        what `advance_linear` feeds again."""
         starts = state.lengths[torch.tensor(list(slots), dtype=torch.long, device=self.device)].tolist()
-        hidden, residual, _ = self._walk(chunks, state, slots, starts)
+        hidden, residual, _ = self._walk(chunks, state, slots, starts, linear_inputs)
         return self.model.model.norm(hidden, residual=residual)[0]
+
+    @torch.no_grad()
+    def advance_linear(
+        self, linear_inputs: Sequence[torch.Tensor], rows: torch.Tensor, counts: Sequence[int], state: SlotState,
+        slots: Sequence[int],
+    ) -> None:  # fmt: skip
+        """Feed slots `slots` again the first counts[n] positions of an `extend` whose GatedDeltaNet states were
+        since restored (speculative decoding: the drafts after the first rejected one are dropped): the
+        GatedDeltaNet layers only, on the inputs `extend` recorded at `rows` (the kept positions, chunks in
+        order), then the slots' lengths advance by counts. The attention caches already hold those positions
+        (a position past a slot's length is never read), and a layer's input at a kept position does not
+        depend on the dropped ones (causal), so the slots end as an `extend` over the kept tokens leaves them,
+        without the attention, MoE and head work of one."""
+        device = self.device
+        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        starts = state.lengths[slot_index].tolist()
+        cu_cpu = [0]
+        for n in counts:
+            cu_cpu.append(cu_cpu[-1] + n)
+        cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
+        linear = [(layer, cache) for layer, cache in zip(self.model.model.layers, state.layers)]
+        linear = [(layer, cache) for layer, cache in linear if layer.layer_type == "linear_attention"]
+        for (layer, cache), x in zip(linear, linear_inputs, strict=True):
+            layer.linear_attn.prefill(x[:, rows], (cu, cu_cpu), cache, slot_index, starts)
+        state.lengths[slot_index] += torch.tensor(list(counts), device=device)
 
     # ---- one token ---------------------------------------------------------------------------
 

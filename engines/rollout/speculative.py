@@ -20,9 +20,9 @@ Each round, for every running request (slot), batched over the requests:
    argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs to
    the host once;
 4. commit: after a rejection at draft j the slots' GatedDeltaNet conv and recurrent states and lengths
-   are restored from the copy taken before the verification and the main model runs again over the
-   j + 1 kept positions (attention caches past a slot's length are never read), so the state holds the
-   accepted tokens only.
+   are restored from the copy taken before the verification and the GatedDeltaNet layers alone run again
+   over the j + 1 kept positions, on the inputs the verification gave them (`MoeDecoder.advance_linear`;
+   attention caches past a slot's length are never read), so the state holds the accepted tokens only.
 
 Every random number of a request comes from its own counter-based stream (`ops.sampling.uniforms`,
 resolved as the op `sampling.uniforms`: fp64 in [0, 1), computed on the device), keyed by its `seed` or,
@@ -302,7 +302,8 @@ class SpeculativeEngine:
         slots = [s.slot for s in seqs]
         saved = save_linear_state(self.state, slots)
         chunks = [[s.pending_tokens[-1]] + d for s, d in zip(seqs, drafts)]
-        hidden = self.decoder.extend(chunks, self.state, slots)
+        linear_inputs: list[torch.Tensor] = []
+        hidden = self.decoder.extend(chunks, self.state, slots, linear_inputs)
         logits = self.model.logits(hidden).float()
         offsets = [0]
         for c in chunks:
@@ -337,15 +338,12 @@ class SpeculativeEngine:
             s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
         kept = {n: hidden[offsets[n] : offsets[n] + j + 1] for n, (j, _) in enumerate(outcomes)}
-        if redo:  # roll back to before the verification and consume the kept positions only
+        if redo:  # roll the GatedDeltaNet states back to before the verification, then feed the kept positions
             redo_slots = [slots[n] for n in redo]
             load_linear_state(self.state, saved, redo_slots)
-            kept_chunks = [chunks[n][: outcomes[n][0] + 1] for n in redo]
-            again = self.decoder.extend(kept_chunks, self.state, redo_slots)
-            at = 0
-            for n in redo:
-                size = outcomes[n][0] + 1
-                kept[n], at = again[at : at + size], at + size
+            counts = [outcomes[n][0] + 1 for n in redo]
+            rows = torch.cat([torch.arange(offsets[n], offsets[n] + c) for n, c in zip(redo, counts)]).to(dev)
+            self.decoder.advance_linear(linear_inputs, rows, counts, self.state, redo_slots)
         for n, s in enumerate(seqs):
             j, y = outcomes[n]
             emitted = drafts[n][:j] + [y]
