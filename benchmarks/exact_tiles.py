@@ -1,7 +1,7 @@
 """Exact mode's fixed GEMM tiles against each other on a GPU: for every candidate config, the time of the
 reduced Qwen3.5-MoE's projections (one layer's worth each, summed over the model) and its LM head through
 `linear_rows_triton`, and of its routed experts' forward through the pinned grouped GEMM, at a decode step's
-rows (256) and a training micro-batch's (16,384; the head in its passes of 1,024 rows), per projection shape.
+rows (32 and 256) and a training micro-batch's (16,384; the head in its passes of 1,024 rows), per projection shape.
 cuBLAS (F.linear, F.grouped_mm, batch-dependent tiles) is the anchor. Each projection and head record also says,
 per candidate, whether its output equals the config exact mode uses for that width bitwise (`same_as_used`): where
 configs of one K step agree, the row count could pick among them without changing a row's result. One JSON record
@@ -46,6 +46,11 @@ for bm, bn, bk, warps, stages in (
     (128, 256, 64, 8, 4),
     (64, 64, 128, 4, 3),
     (64, 128, 128, 4, 3),
+    # narrow tiles of the same K step: more tiles at a decode step's few rows
+    (16, 64, 64, 4, 4),
+    (32, 64, 64, 4, 4),
+    (32, 32, 64, 4, 4),
+    (64, 32, 64, 4, 4),
 ):
     linear_configs[f"{bm}x{bn}x{bk}w{warps}s{stages}"] = {
         "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages
@@ -99,5 +104,5 @@ def measure(rows: int) -> None:
         emit(op="experts", rows=rows, ms=times)
 
 
-for rows in (256, 16384):
+for rows in (32, 256, 16384):
     measure(rows)

@@ -5,8 +5,9 @@
 
 Each `results/*.json` is one report, as the tools write it (`verl-moe bench ... --json F`, `verl-moe align
 --out DIR` -> DIR/report.json) or as `benchmarks/grpo.sh` writes it for a verl `main_ppo` run (its per-step
-metrics in the JSONL file the record names). Every report carries argv, versions, device, date and the code
-it ran (`git_sha`, `source_sha`; `code_commit` where the recorded git sha was of a stale copy of the tree).
+metrics in the JSONL file the record names), or as `benchmarks/mtp_bench.py` writes it (speculative decoding).
+Every report carries argv, versions, device, date and the code it ran (`git_sha`, `source_sha`; `code_commit`
+where the recorded git sha was of a stale copy of the tree).
 A report this script does not recognise is an error, so results/ holds nothing that BENCHMARKS.md omits.
 
 Tables: one per op (`tool: bench`, every op but `model`, `rollout` and the integrations), the model step
@@ -102,7 +103,10 @@ def command(report: dict, name: str) -> str:
     argv = list(report["argv"])
     if report["tool"] == "main_ppo":
         return " ".join(shlex.quote(a) for a in ["python", *argv])
-    argv[0] = "verl-moe"
+    if report["tool"] == "mtp_bench":
+        argv = ["python", *argv]
+    else:
+        argv[0] = "verl-moe"
     argv = env_assignments(report) + argv
     for flag, value in (("--json", f"results/{name}.json"), ("--out", f"align_out/{name}")):
         if flag in argv:
@@ -296,7 +300,7 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
     parts = []
     header = ["step", "generation s", "generation tokens/s", "response length", "old log-prob s", "reference s"]
     header += ["actor update s", "update tokens/s", "weight sync s", "step s", "rollout probs diff (mean)"]
-    header += ["trainer peak GiB"]
+    header += ["actor/ppo_kl", "trainer peak GiB"]
     for name, rep in reports:
         key = "actor_rollout_ref.rollout.free_cache_engine="
         free = next((a[len(key) :] for a in rep["argv"] if a.startswith(key)), "true (verl's default)")
@@ -320,6 +324,7 @@ def rollout_section(reports: list[tuple[str, dict]]) -> str:
                     num(d.get("timing_s/update_weights")),
                     num(d["timing_s/step"]),
                     sci(d.get("training/rollout_probs_diff_mean")),
+                    sci(d.get("actor/ppo_kl")),
                     num(d.get("actor/perf/max_memory_allocated_gb"), 3),
                 ]
             )
@@ -482,6 +487,25 @@ def ablation_table(records: list[dict]) -> str:
     return "\n".join(lines) + table(header, rows, right=set(range(1, len(header))))
 
 
+def mtp_section(reports: list[tuple[str, dict]]) -> str:
+    header = ["requests", "k", "acceptance", "plain tokens/s", "speculative tokens/s", "speedup"]
+    parts = []
+    for name, rep in reports:
+        parts.append(
+            f"`{name}`: trained {rep['train_steps']:,} step{'s' * (rep['train_steps'] != 1)} in "
+            f"{rep['train_s']:.0f} s, next-token loss "
+            f"{rep['loss']:.3f}, MTP loss {rep['mtp_loss']:.3f}; the model's mean next-token entropy "
+            f"{rep['mean_entropy']:.3f} nats (the corpus's {rep['corpus_entropy']:.3f})."
+        )
+        body = [
+            [num(r["requests"]), num(r["k"]), pct(r["acceptance"]), num(r["plain_tokens_per_s"])]
+            + [num(r["spec_tokens_per_s"]), num(r["speedup"], 3) + "x"]
+            for r in rep["records"]
+        ]
+        parts.append(table(header, body, set(range(len(header)))))
+    return "\n\n".join(parts) + f"\n\n{footer(reports)}"
+
+
 def align_section(name: str, rep: dict) -> str:
     golden = rep["golden"]
     backends = {b["label"]: b for b in rep["backends"]}
@@ -549,8 +573,8 @@ def load() -> dict[str, dict]:
     for path in sorted(RESULTS.glob("*.json"), key=natural):
         rep = json.loads(path.read_text())
         kind = rep.get("tool")
-        if kind not in ("bench", "align", "main_ppo") or "argv" not in rep or "date" not in rep:
-            raise SystemExit(f"{path}: not a report (needs tool bench / align / main_ppo, argv and date)")
+        if kind not in ("bench", "align", "main_ppo", "mtp_bench") or "argv" not in rep or "date" not in rep:
+            raise SystemExit(f"{path}: not a report (needs tool bench / align / main_ppo / mtp_bench, argv and date)")
         if kind == "main_ppo" and not (RESULTS / rep["metrics"]).is_file():
             raise SystemExit(f"{path}: its metrics file results/{rep['metrics']} is missing")
         reports[path.stem] = rep
@@ -569,6 +593,7 @@ def render(reports: dict[str, dict]) -> str:
     rollout = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo" and not is_ppo(r)]
     ppo = [(n, r) for n, r in reports.items() if r["tool"] == "main_ppo" and is_ppo(r)]
     align = [(n, r) for n, r in reports.items() if r["tool"] == "align"]
+    mtp = [(n, r) for n, r in reports.items() if r["tool"] == "mtp_bench"]
 
     sections = [
         HEAD,
@@ -664,6 +689,16 @@ def render(reports: dict[str, dict]) -> str:
             "the same sequences (micro-batches of <= 16,384 tokens), one process, one set of weights. Ratios divide "
             "exact by fast. The cost targets (decode <= 1.3x, train step <= 1.25x) are not met yet.",
             exact_section(exact),
+        ]
+    if mtp:
+        sections += [
+            "## Speculative decoding with the MTP layer",
+            "`benchmarks/mtp_bench.py`: the reduced Qwen3.5-MoE with 4 layers and one MTP layer (vocabulary 32,768), "
+            "trained in fp32 on an order-1 Markov corpus of known entropy (next-token loss + 0.3 x the MTP loss), "
+            "then served in bf16: prompts of 32 corpus tokens, 128 new tokens each at temperature 1. Plain = "
+            "`GenerationEngine` (device graphs); speculative = `SpeculativeEngine` with k MTP drafts per round; "
+            "each timed on its second batch, one process. Acceptance = drafts kept / drafted.",
+            mtp_section(mtp),
         ]
     if rollout:
         sections += [
