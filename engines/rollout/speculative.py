@@ -344,18 +344,15 @@ class SpeculativeEngine:
             counts = [outcomes[n][0] + 1 for n in redo]
             rows = torch.cat([torch.arange(offsets[n], offsets[n] + c) for n, c in zip(redo, counts)]).to(dev)
             self.decoder.advance_linear(linear_inputs, rows, counts, self.state, redo_slots)
+        emitted = [drafts[n][:j] + [y] for n, (j, y) in enumerate(outcomes)]
+        log_probs = self._log_probs(logits, offsets, emitted, seqs)
         for n, s in enumerate(seqs):
-            j, y = outcomes[n]
-            emitted = drafts[n][:j] + [y]
-            scale = 1.0 if s.stream is None else s.request.params.temperature
-            rows = logits[offsets[n] : offsets[n] + j + 1] / scale
-            lps = rows.log_softmax(-1).gather(-1, torch.tensor(emitted, device=rows.device)[:, None])[:, 0]
             if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
-                s.pending_hidden, s.pending_tokens = kept[n], emitted
+                s.pending_hidden, s.pending_tokens = kept[n], emitted[n]
             else:
                 s.pending_hidden = torch.cat([s.pending_hidden, kept[n]])
-                s.pending_tokens = s.pending_tokens + emitted
-            self._emit(s, emitted, lps.tolist())
+                s.pending_tokens = s.pending_tokens + emitted[n]
+            self._emit(s, emitted[n], log_probs[n])
         self.stats.rounds += 1
         return self._collect(slots)
 
@@ -413,6 +410,22 @@ class SpeculativeEngine:
             )
             rows = [rows[r] for r in live]
         return drafts, drafted, q_all
+
+    def _log_probs(
+        self, logits: torch.Tensor, offsets: list[int], emitted: list[list[int]], seqs: Sequence[_Seq]
+    ) -> list[list[float]]:
+        """Each request's emitted tokens' log-probs under the target, log_softmax(logits / temperature) in
+        fp32 (temperature 1 for greedy requests) at its verified rows offsets[n] .. offsets[n] +
+        len(emitted[n]) - 1: one pass over every request's rows and one read to the host."""
+        dev = logits.device
+        counts = torch.tensor([len(e) for e in emitted])
+        rows = torch.cat([torch.arange(offsets[n], offsets[n] + len(e)) for n, e in enumerate(emitted)])
+        tokens = torch.tensor([t for e in emitted for t in e])
+        temps = self._temperatures(seqs)[0].repeat_interleave(counts.to(dev))
+        picked = (logits[rows.to(dev)] / temps[:, None]).log_softmax(-1).gather(-1, tokens.to(dev)[:, None])
+        flat = picked[:, 0].tolist()
+        bounds = [0, *counts.cumsum(0).tolist()]
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _temperatures(self, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         """[N] fp32 temperatures (1 for greedy requests) and [N] bool greedy, on the device."""

@@ -4,7 +4,8 @@ its slot's cached keys up to and including its own position (the chunk's keys an
 cache already).
 
 The op resolves as `resolve("attention.cached")`: "torch" (one SDPA per chunk, the grouped heads as
-query rows) or "exact" (`exact.attention_rows`, exact mode).
+query rows), "triton" (the accelerator default: short chunks as rows of one Triton decode-attention launch,
+long ones as "torch") or "exact" (`exact.attention_rows`, exact mode).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import torch.nn.functional as F
 
 IMPLS = {
     "torch": "verl_moe.ops.attention.cached:cached_attention_ref",
+    "triton": "verl_moe.ops.attention.cached:cached_attention_triton",
     "exact": "verl_moe.ops.attention.exact:cached_attention_exact",
 }
+# the longest chunk taken as decode rows: each row reads its slot's keys alone, so a chunk of n rows reads
+# them n times, against one flash call per chunk (a launch or more per chunk and slot)
+SHORT_CHUNK = 16
 
 
 def cached_attention_ref(
@@ -48,4 +53,28 @@ def cached_attention_ref(
     return torch.cat(outs)
 
 
-__all__ = ["IMPLS", "cached_attention_ref"]
+def cached_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: Sequence[int],
+    starts: Sequence[int],
+    cu_cpu: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """`cached_attention_ref`'s contract. Chunks of at most SHORT_CHUNK rows (speculative decoding's
+    verification: k + 1 rows in each of many slots) run as the rows of one Triton decode-attention launch,
+    each row a query at its own position that reads its slot's first position + 1 keys; a batch with a
+    longer chunk (a long prompt prefilled in pieces) takes `cached_attention_ref`."""
+    lengths = [b - a for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]
+    if max(lengths) > SHORT_CHUNK or q.dtype == torch.float64:
+        return cached_attention_ref(q, k_cache, v_cache, slots, starts, cu_cpu, scale)
+    from .decode_kernel import decode_attention_triton
+
+    row_slot = [s for s, n in zip(slots, lengths) for _ in range(n)]
+    row_count = [start + i + 1 for start, n in zip(starts, lengths) for i in range(n)]
+    rows = torch.tensor([row_slot, row_count], dtype=torch.int64).to(q.device)  # one copy to the device
+    return decode_attention_triton(q, k_cache, v_cache, rows[1], scale, slots=rows[0])
+
+
+__all__ = ["IMPLS", "SHORT_CHUNK", "cached_attention_ref", "cached_attention_triton"]

@@ -27,8 +27,9 @@ IMPLS = {
 ACCELERATOR_DEFAULT = "triton"
 
 
-def check_decode_attention_inputs(q, k_cache, v_cache, counts) -> None:
-    """Raise ValueError for shapes or dtypes the op cannot take (no value is read)."""
+def check_decode_attention_inputs(q, k_cache, v_cache, counts, slots=None) -> None:
+    """Raise ValueError for shapes or dtypes the op cannot take (no value is read); `slots`: the cache row
+    of each query row (the Triton kernel's option), else row b reads row b."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"q must be [B, H, D] and k_cache / v_cache one [S, HKV, L, D] shape; got {tuple(q.shape)}, "
@@ -36,10 +37,12 @@ def check_decode_attention_inputs(q, k_cache, v_cache, counts) -> None:
         )
     B, H, D = q.shape
     S, HKV, _, DK = k_cache.shape
-    if S < B or DK != D or H % HKV:
+    if (slots is None and S < B) or DK != D or H % HKV:
         raise ValueError(
             f"q [B={B}, H={H}, D={D}] does not fit caches [S={S}, HKV={HKV}, L, D={DK}] (S >= B, H a multiple of HKV)"
         )
+    if slots is not None and (slots.dtype != torch.int64 or tuple(slots.shape) != (B,)):
+        raise ValueError(f"slots must be a [{B}] int64 tensor, got {tuple(slots.shape)} {slots.dtype}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype) or not q.is_floating_point():
         raise ValueError(f"q and the caches must share one floating dtype, got {q.dtype}, {k_cache.dtype}")
     if counts.dtype != torch.int64 or tuple(counts.shape) != (B,):

@@ -30,6 +30,7 @@ def _decode_attention_tiles_kernel(
     k,
     v,
     counts,
+    slots,
     m_part,
     l_part,
     acc_part,
@@ -48,6 +49,7 @@ def _decode_attention_tiles_kernel(
     BV: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     o_g = tl.arange(0, BG)
@@ -57,7 +59,10 @@ def _decode_attention_tiles_kernel(
         count = tl.load(counts + i_b)
         o_l = i_t * BL + tl.arange(0, BL)
         m_l = o_l < count
-        kv_base = tl.cast(i_b, tl.int64) * stride_ks + tl.cast(i_h, tl.int64) * stride_kh
+        i_s = i_b  # the cache row this query row reads
+        if HAS_SLOTS:
+            i_s = tl.load(slots + i_b)
+        kv_base = tl.cast(i_s, tl.int64) * stride_ks + tl.cast(i_h, tl.int64) * stride_kh
         q_rows = (tl.cast(i_b, tl.int64) * HKV + i_h) * G + o_g
         s = tl.zeros([BG, BL], dtype=tl.float32)
         for k0 in range(0, D, BK):
@@ -164,11 +169,17 @@ KERNEL_LAUNCHES = {
 
 
 def decode_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_ref` in two kernels (fp32 softmax and accumulation); raises ValueError as it
-    does, and for fp64 inputs or caches whose last dim is not contiguous."""
-    check_decode_attention_inputs(q, k_cache, v_cache, counts)
+    does, and for fp64 inputs or caches whose last dim is not contiguous. slots: [B] int64, the cache row
+    each query row reads (several rows may read one; default row b reads row b)."""
+    check_decode_attention_inputs(q, k_cache, v_cache, counts, slots)
     if q.dtype == torch.float64:
         raise ValueError("the Triton decode attention computes in fp32: use impl 'torch' for fp64")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -193,6 +204,7 @@ def decode_attention_triton(
         k=k_cache,
         v=v_cache,
         counts=counts,
+        slots=counts if slots is None else slots,
         m_part=m_part,
         l_part=l_part,
         acc_part=acc_part,
@@ -202,6 +214,7 @@ def decode_attention_triton(
         stride_kl=k_cache.stride(2),
         DT=dot_dtype(q.dtype),
         DOT_PREC=dot_precision(q.dtype),
+        HAS_SLOTS=slots is not None,
         **sizes,
         **meta,
     )

@@ -96,6 +96,22 @@ def test_greedy_equals_plain_decoding(model, k):
     assert engine.stats.all_kept and engine.stats.rejected  # rounds with a bonus token, rounds rolled back
 
 
+def test_sampled_log_probs_are_the_targets_at_the_temperature(model):
+    """Sampled requests at temperatures 0.7 and 1.3 beside a greedy one: every returned log-prob is the
+    target's log_softmax(logits / T) at that token after the tokens before it (a greedy request's at T = 1)."""
+    temps = [0.7, 1.3, 0.0, 0.7]
+    requests = [
+        Request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=t, ignore_eos=True, seed=i, logprobs=True))
+        for i, (p, t) in enumerate(zip(PROMPTS, temps))
+    ]
+    engine = SpeculativeEngine(model, eos_token_ids=[], num_draft_tokens=2)
+    for r, c, t in zip(requests, engine.generate(requests), temps):
+        probs = _target_probs(model, r.prompt_ids, [c.token_ids[:i] for i in range(len(c.token_ids))], t or 1.0)
+        want = probs.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0].log()
+        assert (torch.tensor(c.log_probs, dtype=torch.float64) - want).abs().max() <= TOL
+    assert engine.stats.all_kept and engine.stats.rejected
+
+
 # ---- sampled: the target's distribution --------------------------------------------------------
 
 
