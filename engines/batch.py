@@ -30,6 +30,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl_moe.models.process_groups import UlyssesGroup
 from verl_moe.ops import device
+from verl_moe.ops.device import to_device
 from verl_moe.ops.varlen import offsets_tensor
 
 # Batch switches our engines do not implement: asking for one is an error, never a silent no-op.
@@ -168,7 +169,7 @@ def inverse_temperature(temperature: torch.Tensor | float, seq_lens: list[int], 
     inverse = (1.0 / per_seq).cpu()  # fp32 division, as the head computed it from the fp32 temperature
     if inverse.numel() == 1:
         return torch.full((sum(seq_lens),), inverse.item(), dtype=torch.float32, device=device)
-    return torch.repeat_interleave(inverse, torch.tensor(seq_lens)).to(device)
+    return to_device(torch.repeat_interleave(inverse, torch.tensor(seq_lens)), device)
 
 
 def _four_rows(values: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.device import to_device
+from ..ops.varlen import offsets_tensor
 from .causal_lm import MoeCausalLM
 from .layers import Experts
 
@@ -100,8 +102,7 @@ class SlotState:
     def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy slots `src` into slots `dst` (state and length), e.g. to pack running sequences into
         the lowest slots; the other slots are not touched."""
-        src_t = torch.as_tensor(list(src), dtype=torch.long, device=self.lengths.device)
-        dst_t = torch.as_tensor(list(dst), dtype=torch.long, device=self.lengths.device)
+        src_t, dst_t = to_device(torch.tensor([list(src), list(dst)], dtype=torch.long), self.lengths.device)
         tensors = [self.lengths]
         for cache in self.layers:
             tensors += [cache.k, cache.v] if isinstance(cache, AttentionCache) else [cache.conv, cache.recurrent]
@@ -207,10 +208,10 @@ class MoeDecoder:
         cu[1:] = lengths.cumsum(0)
         cu_cpu = cu.tolist()  # the offsets as host ints: the ops read none back from the device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths.tolist())])
-        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
-        token_slot = slot_index.repeat_interleave(lengths.to(device))  # [T] the slot of each token
-        token_pos = positions.to(device)
-        ids, positions, cu = ids[None].to(device), positions[None].to(device), cu.to(device)
+        slot_index = to_device(torch.tensor(list(slots), dtype=torch.long), device)
+        token_slot = to_device(torch.tensor(list(slots), dtype=torch.long).repeat_interleave(lengths), device)
+        token_pos = to_device(positions, device)  # [T] the slot and position of each token
+        ids, positions, cu = to_device(ids, device)[None], token_pos[None], to_device(cu, device)
         fresh = not any(starts)
 
         text = self.model.model
@@ -228,7 +229,7 @@ class MoeDecoder:
             return layer.self_attn.prefill(x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos, chunks)
 
         hidden, residual = self._layers(hidden, mixer)
-        state.lengths[slot_index] = lengths.to(device) + torch.tensor(starts, device=device)
+        state.lengths[slot_index] = to_device(lengths + torch.tensor(starts, dtype=torch.long), device)
         return hidden[0], residual[0], cu
 
     @torch.no_grad()
@@ -244,7 +245,7 @@ class MoeDecoder:
         token, chunks packed in order (`MoeCausalLM.logits` of it: every position's logits, what verifying
         drafted tokens needs). `linear_inputs` (a list) receives each GatedDeltaNet layer's input [1, T, D],
         what `advance_linear` feeds again."""
-        starts = state.lengths[torch.tensor(list(slots), dtype=torch.long, device=self.device)].tolist()
+        starts = state.lengths[to_device(torch.tensor(list(slots), dtype=torch.long), self.device)].tolist()
         hidden, residual, _ = self._walk(chunks, state, slots, starts, linear_inputs)
         return self.model.model.norm(hidden, residual=residual)[0]
 
@@ -261,17 +262,17 @@ class MoeDecoder:
         depend on the dropped ones (causal), so the slots end as an `extend` over the kept tokens leaves them,
         without the attention, MoE and head work of one."""
         device = self.device
-        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        slot_index = to_device(torch.tensor(list(slots), dtype=torch.long), device)
         starts = state.lengths[slot_index].tolist()
         cu_cpu = [0]
         for n in counts:
             cu_cpu.append(cu_cpu[-1] + n)
-        cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
+        cu = offsets_tensor(cu_cpu, device)
         linear = [(layer, cache) for layer, cache in zip(self.model.model.layers, state.layers)]
         linear = [(layer, cache) for layer, cache in linear if layer.layer_type == "linear_attention"]
         for (layer, cache), x in zip(linear, linear_inputs, strict=True):
             layer.linear_attn.prefill(x[:, rows], (cu, cu_cpu), cache, slot_index, starts)
-        state.lengths[slot_index] += torch.tensor(list(counts), device=device)
+        state.lengths[slot_index] += to_device(torch.tensor(list(counts), dtype=torch.long), device)
 
     # ---- one token ---------------------------------------------------------------------------
 

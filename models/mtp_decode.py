@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.device import to_device
+from ..ops.varlen import offsets_tensor
 from .decode import AttentionCache, LinearCache, MoeDecoder, SlotState
 
 
@@ -29,9 +31,9 @@ def _packed(chunks: Sequence[Sequence[int]], starts: Sequence[int], device: torc
     cu_cpu = [0]
     for n in lengths:
         cu_cpu.append(cu_cpu[-1] + n)
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
-    cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
+    ids = to_device(torch.tensor([t for c in chunks for t in c], dtype=torch.long), device)
+    positions = to_device(torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]), device)
+    cu = offsets_tensor(cu_cpu, device)
     return ids[None], positions[None], (cu, cu_cpu), positions
 
 
@@ -91,7 +93,7 @@ class MtpDrafter:
         if cache.capacity < max(s + len(t) for s, t in zip(starts, tokens)):
             raise ValueError(f"MTP positions past the cache's capacity of {cache.capacity}")
         ids, positions, offsets, token_pos = _packed(tokens, starts, device)
-        token_slot = torch.tensor([s for s, t in zip(slots, tokens) for _ in t], dtype=torch.long, device=device)
+        token_slot = to_device(torch.tensor([s for s, t in zip(slots, tokens) for _ in t], dtype=torch.long), device)
         text, mtp, layer = self.decoder.model.model, self.mtp, self.layer
         embeds = text.embed_tokens(ids)
         cos, sin = text.rotary(positions, embeds.dtype)
@@ -110,7 +112,7 @@ class MtpDrafter:
 
 def save_linear_state(state: SlotState, slots: Sequence[int]) -> dict[str, object]:
     """A copy of the lengths and every GatedDeltaNet conv and recurrent state of `slots`."""
-    index = torch.tensor(list(slots), dtype=torch.long, device=state.lengths.device)
+    index = to_device(torch.tensor(list(slots), dtype=torch.long), state.lengths.device)
     layers = [(c.conv[index].clone(), c.recurrent[index].clone()) for c in state.layers if isinstance(c, LinearCache)]
     return {"slots": list(slots), "lengths": state.lengths[index].clone(), "layers": layers}
 
@@ -119,8 +121,7 @@ def load_linear_state(state: SlotState, saved: dict[str, object], slots: Sequenc
     """Write back the part of `saved` (`save_linear_state`) that belongs to `slots` (a subset of its slots)."""
     rows = [saved["slots"].index(s) for s in slots]
     device = state.lengths.device
-    index = torch.tensor(list(slots), dtype=torch.long, device=device)
-    src = torch.tensor(rows, dtype=torch.long, device=device)
+    index, src = to_device(torch.tensor([list(slots), rows], dtype=torch.long), device)
     state.lengths[index] = saved["lengths"][src]
     linear = [c for c in state.layers if isinstance(c, LinearCache)]
     for cache, (conv, recurrent) in zip(linear, saved["layers"]):

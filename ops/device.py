@@ -80,6 +80,15 @@ def set_device(local_rank: int) -> None:
         device_module().set_device(local_rank)
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` (a tensor in host memory) on `device`, copied without making the host wait: a copy from pageable
+    memory waits until the device has run all the work queued before it, one from pinned memory is queued like
+    a kernel (the pinned block is not reused before the copy has run). On cpu, `host` itself."""
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize() -> None:
     if device_type() != "cpu":
         device_module().synchronize()

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .device import to_device
+
 # The host copy of a packed row's offsets: ints (what the engines' packed batch carries: a tuple is no
 # tensor, so FSDP's input moves and activation offload leave it on the host) or a CPU tensor (fla's type).
 HostOffsets = Sequence[int] | torch.Tensor
@@ -47,10 +49,7 @@ def host_offsets(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: HostOffsets | 
 
 def offsets_tensor(values, device: torch.device) -> torch.Tensor:
     """int32 offsets `values` (host ints) on `device`, copied without waiting for queued device work."""
-    host = torch.tensor(list(values), dtype=torch.int32)
-    if torch.device(device).type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(list(values), dtype=torch.int32), device)
 
 
 def check_cu_seqlens(
@@ -94,4 +93,4 @@ def sequence_starts(
     for b in range(B):
         for s, e in seq_bounds(cu_seqlens, T, cu_seqlens_cpu):
             start[b * T + s : b * T + e] = b * T + s
-    return start.to(device)
+    return to_device(start, device)

@@ -51,6 +51,7 @@ from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
 from ...models.mtp_decode import MtpCache, MtpDrafter, load_linear_state, save_linear_state
 from ...ops import resolve
+from ...ops.device import to_device
 from ...ops.sampling import inverse_cdf
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
@@ -227,7 +228,7 @@ class SpeculativeEngine:
             return []
         self._check(requests)
         slots = self._take_slots(requests)
-        self.state.lengths[torch.tensor(slots, device=self.decoder.device)] = 0
+        self.state.lengths[to_device(torch.tensor(slots, dtype=torch.long), self.decoder.device)] = 0
         seqs = [_Seq(r, i, self._stream(r)) for r, i in zip(requests, slots)]
         hidden = self.decoder.extend([list(r.prompt_ids) for r in requests], self.state, slots)
         ends = torch.tensor([len(r.prompt_ids) for r in requests]).cumsum(0) - 1
@@ -309,13 +310,14 @@ class SpeculativeEngine:
         for c in chunks:
             offsets.append(offsets[-1] + len(c))
         # [N, K+1] each request's verified rows (a request with k < K repeats its last one, never read)
-        at = torch.tensor([[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))], device=dev)
-        ks_t = torch.tensor(ks, device=dev)
+        at = [[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
+        at = to_device(torch.tensor(at), dev)
+        ks_t = to_device(torch.tensor(ks, dtype=torch.long), dev)
         j, y = accept_greedy(logits[at], drafted, ks_t)
         sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
         if sampled:
-            rows = torch.tensor(sampled, device=dev)
-            temps = torch.tensor([seqs[n].request.params.temperature for n in sampled], device=dev)
+            rows = to_device(torch.tensor(sampled, dtype=torch.long), dev)
+            temps = to_device(torch.tensor([seqs[n].request.params.temperature for n in sampled]), dev)
             p = torch.softmax(logits[at[rows]] / temps[:, None, None], -1)
             if q is None:  # no request drafted this round
                 q = p.new_zeros(len(seqs), K, p.shape[-1])
@@ -342,7 +344,7 @@ class SpeculativeEngine:
             redo_slots = [slots[n] for n in redo]
             load_linear_state(self.state, saved, redo_slots)
             counts = [outcomes[n][0] + 1 for n in redo]
-            rows = torch.cat([torch.arange(offsets[n], offsets[n] + c) for n, c in zip(redo, counts)]).to(dev)
+            rows = to_device(torch.cat([torch.arange(offsets[n], offsets[n] + c) for n, c in zip(redo, counts)]), dev)
             self.decoder.advance_linear(linear_inputs, rows, counts, self.state, redo_slots)
         emitted = [drafts[n][:j] + [y] for n, (j, y) in enumerate(outcomes)]
         log_probs = self._log_probs(logits, offsets, emitted, seqs)
@@ -387,7 +389,7 @@ class SpeculativeEngine:
         q_all = None
         for i in range(max(ks)):
             logits = self.model.logits(g).float()
-            idx = torch.tensor(rows, device=dev)
+            idx = to_device(torch.tensor(rows, dtype=torch.long), dev)
             q = torch.softmax(logits / temps[idx, None], -1)
             tokens = torch.where(greedy[idx], logits.argmax(-1), inverse_cdf(q, u[idx, i]))
             if q_all is None:
@@ -421,8 +423,9 @@ class SpeculativeEngine:
         counts = torch.tensor([len(e) for e in emitted])
         rows = torch.cat([torch.arange(offsets[n], offsets[n] + len(e)) for n, e in enumerate(emitted)])
         tokens = torch.tensor([t for e in emitted for t in e])
-        temps = self._temperatures(seqs)[0].repeat_interleave(counts.to(dev))
-        picked = (logits[rows.to(dev)] / temps[:, None]).log_softmax(-1).gather(-1, tokens.to(dev)[:, None])
+        temps = self._temperatures(seqs)[0].repeat_interleave(to_device(counts, dev))
+        rows, tokens = to_device(torch.stack([rows, tokens]), dev)
+        picked = (logits[rows] / temps[:, None]).log_softmax(-1).gather(-1, tokens[:, None])
         flat = picked[:, 0].tolist()
         bounds = [0, *counts.cumsum(0).tolist()]
         return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -432,7 +435,7 @@ class SpeculativeEngine:
         dev = self.decoder.device
         temps = [1.0 if s.stream is None else s.request.params.temperature for s in seqs]
         greedy = [s.stream is None for s in seqs]
-        return torch.tensor(temps, device=dev), torch.tensor(greedy, device=dev)
+        return to_device(torch.tensor(temps), dev), to_device(torch.tensor(greedy), dev)
 
     def _uniforms(self, seqs: Sequence[_Seq], count: int) -> torch.Tensor:
         """[N, count] fp64 on the device: numbers draws .. draws + count - 1 of each request's stream (a
@@ -441,7 +444,8 @@ class SpeculativeEngine:
         index = torch.tensor([s.draws for s in seqs], dtype=torch.int64)[:, None] + torch.arange(count)
         streams = streams[:, None].expand(-1, count).reshape(-1)
         dev = self.decoder.device
-        return self.uniforms(streams.to(dev), index.reshape(-1).to(dev)).view(len(seqs), count)
+        streams, index = to_device(torch.stack([streams, index.reshape(-1)]), dev)
+        return self.uniforms(streams, index).view(len(seqs), count)
 
     def _first_tokens(self, logits: torch.Tensor, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens after the prompts: argmax, or an inverse-CDF draw with number 0 of the request's stream;

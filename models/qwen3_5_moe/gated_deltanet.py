@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...ops.conv1d.step import conv1d_state_from_prefill
+from ...ops.device import to_device
 from ...ops.varlen import HostOffsets, host_values, offsets_tensor
 from ..arch import ArchConfig
 from ..layers import Linear, ResolvedOps, RMSNorm
@@ -225,13 +226,13 @@ class GatedDeltaNet(nn.Module):
         initial_state = None
         if starts is not None:
             W1, N = conv_weight.shape[1] - 1, len(starts)
-            continued = torch.tensor(starts, device=x.device)[:, None, None] > 0
+            continued = to_device(torch.tensor(starts, dtype=torch.long), x.device)[:, None, None] > 0
             before = torch.where(continued, cache.conv[slot_index], 0).transpose(1, 2)  # [N, W-1, C]
             pieces = [t for n in range(N) for t in (before[n], mixed_qkv[0, cu_cpu[n] : cu_cpu[n + 1]])]
             mixed_qkv = torch.cat(pieces)[None]  # each chunk with its W-1 inputs in front
             cu_cpu = [c + W1 * n for n, c in enumerate(cu_cpu)]
-            cu = torch.tensor(cu_cpu, dtype=torch.int32, device=x.device)
-            keep = torch.cat([torch.arange(a + W1, b) for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]).to(x.device)
+            cu = offsets_tensor(cu_cpu, x.device)
+            keep = to_device(torch.cat([torch.arange(a + W1, b) for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]), x.device)
             initial_state = torch.where(continued[..., None], cache.recurrent[slot_index], 0)
         cache.conv[slot_index] = conv1d_state_from_prefill(mixed_qkv, conv_weight.shape[1], cu, cu_seqlens_cpu=cu_cpu)
         qkv = self.ops.conv1d(mixed_qkv, conv_weight, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)

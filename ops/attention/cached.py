@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..device import to_device
+
 IMPLS = {
     "torch": "verl_moe.ops.attention.cached:cached_attention_ref",
     "triton": "verl_moe.ops.attention.cached:cached_attention_triton",
@@ -73,7 +75,7 @@ def cached_attention_triton(
 
     row_slot = [s for s, n in zip(slots, lengths) for _ in range(n)]
     row_count = [start + i + 1 for start, n in zip(starts, lengths) for i in range(n)]
-    rows = torch.tensor([row_slot, row_count], dtype=torch.int64).to(q.device)  # one copy to the device
+    rows = to_device(torch.tensor([row_slot, row_count], dtype=torch.int64), q.device)  # one copy, not waited for
     return decode_attention_triton(q, k_cache, v_cache, rows[1], scale, slots=rows[0])
 
 

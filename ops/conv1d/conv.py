@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
+from ..device import to_device
 from ..varlen import HostOffsets
 from .reference import check_conv1d_inputs
 
@@ -564,7 +565,7 @@ def causal_conv1d(
     if any(t.device != x.device for t in params):
         raise ValueError(f"x, weight and bias must share one device, got {[str(t.device) for t in (x, *params)]}")
     if cu_seqlens is not None and cu_seqlens.device != x.device:
-        cu_seqlens = cu_seqlens.to(x.device)  # the kernels read the offsets
+        cu_seqlens = to_device(cu_seqlens, x.device)  # the kernels read the offsets
     B, T, C = x.shape
     opts = Conv1dOptions(silu=activation is not None, seq_len=T)
     y = CausalConv1dFunction.apply(
