@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.device import to_device
-from ..ops.varlen import offsets_tensor
 from .causal_lm import MoeCausalLM
 from .layers import Experts
 
@@ -183,11 +182,8 @@ class MoeDecoder:
         last = cu[1:].long() - 1  # each prompt's last token
         return self._logits(hidden[last], residual[last])
 
-    def _walk(
-        self, prompts, state: SlotState, slots, starts, linear_inputs: list | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`prefill`'s checks and layer walk: (hidden [T, D] before the final norm, its residual, cu [N+1]);
-        `linear_inputs` (a list) receives each GatedDeltaNet layer's input [1, T, D]."""
+    def _walk(self, prompts, state: SlotState, slots, starts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`prefill`'s checks and layer walk: (hidden [T, D] before the final norm, its residual, cu [N+1])."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt, each with at least one token")
         S = state.num_slots
@@ -222,8 +218,6 @@ class MoeDecoder:
         def mixer(layer, x):
             cache = next(caches)
             if layer.layer_type == "linear_attention":
-                if linear_inputs is not None:
-                    linear_inputs.append(x)
                 return layer.linear_attn.prefill(x, (cu, cu_cpu), cache, slot_index, None if fresh else starts)
             chunks = None if fresh else list(zip(slots, starts))
             return layer.self_attn.prefill(x, cos, sin, (cu, cu_cpu), cache, token_slot, token_pos, chunks)
@@ -233,46 +227,14 @@ class MoeDecoder:
         return hidden[0], residual[0], cu
 
     @torch.no_grad()
-    def extend(
-        self,
-        chunks: Sequence[Sequence[int]],
-        state: SlotState,
-        slots: Sequence[int],
-        linear_inputs: list | None = None,
-    ) -> torch.Tensor:
+    def extend(self, chunks: Sequence[Sequence[int]], state: SlotState, slots: Sequence[int]) -> torch.Tensor:
         """Feed each slot its chunk of tokens from the slot's length on (a fresh slot takes its prompt), as
         `prefill` with the slots' lengths as starts; returns the final normed hidden state [T, D] of every fed
         token, chunks packed in order (`MoeCausalLM.logits` of it: every position's logits, what verifying
-        drafted tokens needs). `linear_inputs` (a list) receives each GatedDeltaNet layer's input [1, T, D],
-        what `advance_linear` feeds again."""
+        drafted tokens needs)."""
         starts = state.lengths[to_device(torch.tensor(list(slots), dtype=torch.long), self.device)].tolist()
-        hidden, residual, _ = self._walk(chunks, state, slots, starts, linear_inputs)
+        hidden, residual, _ = self._walk(chunks, state, slots, starts)
         return self.model.model.norm(hidden, residual=residual)[0]
-
-    @torch.no_grad()
-    def advance_linear(
-        self, linear_inputs: Sequence[torch.Tensor], rows: torch.Tensor, counts: Sequence[int], state: SlotState,
-        slots: Sequence[int],
-    ) -> None:  # fmt: skip
-        """Feed slots `slots` again the first counts[n] positions of an `extend` whose GatedDeltaNet states were
-        since restored (speculative decoding: the drafts after the first rejected one are dropped): the
-        GatedDeltaNet layers only, on the inputs `extend` recorded at `rows` (the kept positions, chunks in
-        order), then the slots' lengths advance by counts. The attention caches already hold those positions
-        (a position past a slot's length is never read), and a layer's input at a kept position does not
-        depend on the dropped ones (causal), so the slots end as an `extend` over the kept tokens leaves them,
-        without the attention, MoE and head work of one."""
-        device = self.device
-        slot_index = to_device(torch.tensor(list(slots), dtype=torch.long), device)
-        starts = state.lengths[slot_index].tolist()
-        cu_cpu = [0]
-        for n in counts:
-            cu_cpu.append(cu_cpu[-1] + n)
-        cu = offsets_tensor(cu_cpu, device)
-        linear = [(layer, cache) for layer, cache in zip(self.model.model.layers, state.layers)]
-        linear = [(layer, cache) for layer, cache in linear if layer.layer_type == "linear_attention"]
-        for (layer, cache), x in zip(linear, linear_inputs, strict=True):
-            layer.linear_attn.prefill(x[:, rows], (cu, cu_cpu), cache, slot_index, starts)
-        state.lengths[slot_index] += to_device(torch.tensor(list(counts), dtype=torch.long), device)
 
     # ---- one token ---------------------------------------------------------------------------
 
@@ -310,6 +272,48 @@ class MoeDecoder:
         hidden, residual = self._layers(hidden, mixer)
         lengths += active
         return self._logits(hidden[:, 0], residual[:, 0])
+
+    # ---- several tokens (speculative decoding's verification) ----------------------------------
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Feed T tokens to each of slots [0, B) at positions length .. length + T - 1 without advancing the
+        slots: the attention layers write those positions' keys and values (a position at or past a slot's
+        length is never read), the GatedDeltaNet layers step copies of the slots' states. No value is read back
+        to the host and the shapes depend on (B, T) only.
+
+        Args:
+            tokens: [B, T] int token ids on the model's device; active: [B] bool (inactive rows: nothing written).
+        Returns:
+            (the final normed hidden state [B, T, D] of every position, what `commit` takes).
+        """
+        B, T = tokens.shape
+        text = self.model.model
+        positions = state.lengths[:B, None] + torch.arange(T, device=self.device)
+        hidden = text.embed_tokens(tokens)
+        cos, sin = text.rotary(positions, hidden.dtype)
+        caches, steps = iter(state.layers), []
+
+        def mixer(layer, x):
+            if layer.layer_type == "linear_attention":
+                out, inputs = layer.linear_attn.step_positions(x, next(caches), active)
+                steps.append(inputs)
+                return out
+            return layer.self_attn.step_positions(x, cos, sin, next(caches), positions, active)
+
+        hidden, residual = self._layers(hidden, mixer)
+        return text.norm(hidden, residual=residual)[0], steps
+
+    @torch.no_grad()
+    def commit(self, steps: list, kept: torch.Tensor, state: SlotState, active: torch.Tensor) -> None:
+        """Advance the active slots of [0, B) by kept[b] ([B] int64 on the device) of the positions `verify`
+        fed them: the GatedDeltaNet layers step the slots' states through those positions by the steps
+        `verify` took on its copies, and the lengths grow by kept. No value is read back to the host."""
+        linear = [layer for layer in self.model.model.layers if layer.layer_type == "linear_attention"]
+        caches = [cache for cache in state.layers if isinstance(cache, LinearCache)]
+        for layer, cache, inputs in zip(linear, caches, steps, strict=True):
+            layer.linear_attn.advance_positions(inputs, cache, active, kept)
+        state.lengths[: kept.numel()] += torch.where(active, kept, 0)
 
     @staticmethod
     def _kv_positions(lengths: torch.Tensor, capacity: int):

@@ -170,6 +170,23 @@ class Attention(nn.Module):
             o = self.ops.attention_cached(q[0], cache.k, cache.v, slots, starts, cu_cpu, scale)[None]
         return self.output(o, gate)
 
+    def step_positions(self, x, cos, sin, cache, positions, active) -> torch.Tensor:
+        """T tokens per slot [0, B) at `positions` [B, T] (speculative decoding's verification): x [B, T, D];
+        each token's k / v go to the cache at its position (active rows), and each attends to its slot's
+        positions up to its own (`attention_decode` over B * T rows, a slot per row). Returns [B, T, D]."""
+        B, T = positions.shape
+        q, k, v, gate = self.project(x, cos, sin)  # [B, T, H | HKV, K]
+        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+        at = positions.clamp(max=cache.k.shape[2] - 1)
+        keep = active[:, None, None, None]
+        cache.k[rows, :, at] = torch.where(keep, k, cache.k[rows, :, at])
+        cache.v[rows, :, at] = torch.where(keep, v, cache.v[rows, :, at])
+        o = self.ops.attention_decode(
+            q.reshape(B * T, *q.shape[2:]), cache.k, cache.v, (at + 1).reshape(-1), self.head_dim**-0.5,
+            slots=rows.reshape(-1),
+        )  # fmt: skip
+        return self.output(o.view(B, T, *o.shape[1:]), gate)
+
     def step(self, x, cos, sin, cache, kv_positions, active) -> torch.Tensor:
         """One token per slot [0, B): x [B, 1, D]; kv_positions (rows, the position each row writes, the
         positions each row sees), from `MoeDecoder`; inactive rows leave the cache as it was."""

@@ -1,15 +1,12 @@
 """Decoding pieces for speculative decoding with Qwen3.5's MTP layer: the MTP layer's own KV cache and its
-forward over slots, and a copy of the slots' recurrent state to roll a verification back (the main model
-over several new tokens per slot, with every token's hidden state, is `MoeDecoder.extend`).
+forward over slots (the main model over several new tokens per slot, with every token's hidden state, is
+`MoeDecoder.verify` and `commit`).
 
 - `MtpDrafter`: the MTP module's depth-1 step over slots. Its layer is a full-attention decoder layer, so its
   decode state is one KV cache [S, HKV, L, K] (`AttentionCache`). Position s of a slot holds the layer's
   keys and values for the input (main hidden state at s, embedding of token s+1), as the trainer's
   `MoeCausalLM.mtp_hidden_states` computes them; `forward` writes the given positions and returns the
   layer's normed output there (its logits predict token s+2).
-- `save_linear_state` / `load_linear_state`: the lengths and GatedDeltaNet conv and recurrent states of
-  some slots, copied out and written back. Attention caches need no copy: positions at or past a slot's
-  length are never read, and a continued prefill writes them again.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import torch
 
 from ..ops.device import to_device
 from ..ops.varlen import offsets_tensor
-from .decode import AttentionCache, LinearCache, MoeDecoder, SlotState
+from .decode import AttentionCache, MoeDecoder
 
 
 def _packed(chunks: Sequence[Sequence[int]], starts: Sequence[int], device: torch.device):
@@ -110,23 +107,4 @@ class MtpDrafter:
         return mtp.norm(x, residual=residual)[0][0]
 
 
-def save_linear_state(state: SlotState, slots: Sequence[int]) -> dict[str, object]:
-    """A copy of the lengths and every GatedDeltaNet conv and recurrent state of `slots`."""
-    index = to_device(torch.tensor(list(slots), dtype=torch.long), state.lengths.device)
-    layers = [(c.conv[index].clone(), c.recurrent[index].clone()) for c in state.layers if isinstance(c, LinearCache)]
-    return {"slots": list(slots), "lengths": state.lengths[index].clone(), "layers": layers}
-
-
-def load_linear_state(state: SlotState, saved: dict[str, object], slots: Sequence[int]) -> None:
-    """Write back the part of `saved` (`save_linear_state`) that belongs to `slots` (a subset of its slots)."""
-    rows = [saved["slots"].index(s) for s in slots]
-    device = state.lengths.device
-    index, src = to_device(torch.tensor([list(slots), rows], dtype=torch.long), device)
-    state.lengths[index] = saved["lengths"][src]
-    linear = [c for c in state.layers if isinstance(c, LinearCache)]
-    for cache, (conv, recurrent) in zip(linear, saved["layers"]):
-        cache.conv[index] = conv[src]
-        cache.recurrent[index] = recurrent[src]
-
-
-__all__ = ["MtpCache", "MtpDrafter", "load_linear_state", "save_linear_state"]
+__all__ = ["MtpCache", "MtpDrafter"]

@@ -9,8 +9,10 @@ Each round, for every running request (slot), batched over the requests:
    layer's distribution q at the request's temperature (argmax for greedy requests), each draft step for
    all drafting requests at once on the device: q = softmax(logits / T) in fp32 and the token by inverse
    CDF (`ops.sampling.inverse_cdf`) at one of the request's uniforms;
-2. verify: one forward of the main model over the k + 1 positions (the token sampled last, then the
-   drafts), continuing the slot (`MoeDecoder.extend`), gives the target distributions p_0 .. p_k;
+2. verify: one pass of the main model over K + 1 positions of every slot (the token sampled last, then the
+   drafts, padded to K; `MoeDecoder.verify`: one-token steps' kernels over several positions, the shapes
+   fixed by the slot count and K, nothing read back) gives the target distributions p_0 .. p_k and leaves
+   the slots' GatedDeltaNet states as they were;
 3. accept (`accept_drafts`, batched over the sampled requests on the device): d_i is kept when
    u_i q(d_i) < p(d_i), with probability min(1, p(d_i) / q(d_i)); j, the number of leading kept drafts
    (at most the request's k); the round's last token is drawn from normalize(max(0, p_j - q_{j+1})), q
@@ -19,10 +21,10 @@ Each round, for every running request (slot), batched over the requests:
    al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the target's
    argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs to
    the host once;
-4. commit: after a rejection at draft j the slots' GatedDeltaNet conv and recurrent states and lengths
-   are restored from the copy taken before the verification and the GatedDeltaNet layers alone run again
-   over the j + 1 kept positions, on the inputs the verification gave them (`MoeDecoder.advance_linear`;
-   attention caches past a slot's length are never read), so the state holds the accepted tokens only.
+4. commit (`MoeDecoder.commit`, on the device): each slot's GatedDeltaNet conv and recurrent states step
+   through its j + 1 kept positions again from the inputs the verification recorded, and its length grows
+   by j + 1 (the attention caches hold the verified positions already; those past a slot's length are
+   never read), so the state holds the accepted tokens only.
 
 Every random number of a request comes from its own counter-based stream (`ops.sampling.uniforms`,
 resolved as the op `sampling.uniforms`: fp64 in [0, 1), computed on the device), keyed by its `seed` or,
@@ -49,7 +51,7 @@ import torch
 
 from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
-from ...models.mtp_decode import MtpCache, MtpDrafter, load_linear_state, save_linear_state
+from ...models.mtp_decode import MtpCache, MtpDrafter
 from ...ops import resolve
 from ...ops.device import to_device
 from ...ops.sampling import inverse_cdf
@@ -301,14 +303,18 @@ class SpeculativeEngine:
         u = self._uniforms(seqs, 2 * K + 1)  # [N, 2K+1]: k draft draws, k acceptance numbers, the last draw
         drafts, drafted, q = self._draft(seqs, ks, u[:, :K])
         slots = [s.slot for s in seqs]
-        saved = save_linear_state(self.state, slots)
-        chunks = [[s.pending_tokens[-1]] + d for s, d in zip(seqs, drafts)]
-        linear_inputs: list[torch.Tensor] = []
-        hidden = self.decoder.extend(chunks, self.state, slots, linear_inputs)
-        logits = self.model.logits(hidden).float()
-        offsets = [0]
-        for c in chunks:
-            offsets.append(offsets[-1] + len(c))
+        # the verification: over every slot at once, each running one's last token then its drafts (a request
+        # with fewer than K repeats its last token: positions after its k + 1 are never kept), idle slots inactive
+        S = len(self._seqs)
+        tokens, active = torch.zeros(S, K + 1, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
+        for s, d in zip(seqs, drafts):
+            chunk = [s.pending_tokens[-1]] + d
+            tokens[s.slot], active[s.slot] = torch.tensor(chunk + chunk[-1:] * (K + 1 - len(chunk))), True
+        active, slot_rows = to_device(active, dev), to_device(torch.tensor(slots, dtype=torch.long), dev)
+        hidden, steps = self.decoder.verify(to_device(tokens, dev), self.state, active)
+        hidden = hidden[slot_rows]  # [N, K+1, D]
+        logits = self.model.logits(hidden.flatten(0, 1)).float()  # request n's positions at n (K+1) ..
+        offsets = [n * (K + 1) for n in range(len(seqs))]
         # [N, K+1] each request's verified rows (a request with k < K repeats its last one, never read)
         at = [[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
         at = to_device(torch.tensor(at), dev)
@@ -326,12 +332,13 @@ class SpeculativeEngine:
         for s in seqs:
             if s.stream is not None:
                 s.draws += 2 * K + 1
-        outcomes = list(zip(j.tolist(), y.tolist()))  # the round's one read of its outcomes
-        redo = []
+        # commit the kept positions (j + 1 per request) into the slots, before the round's one read of its outcomes
+        kept = torch.zeros(S, dtype=torch.long, device=dev).index_put((slot_rows,), j + 1)
+        self.decoder.commit(steps, kept, self.state, active)
+        outcomes = list(zip(j.tolist(), y.tolist()))
         for n, s in enumerate(seqs):
             j = outcomes[n][0]
             if j < ks[n]:
-                redo.append(n)
                 self.stats.rejected += 1
             elif j > 0:
                 self.stats.all_kept += 1
@@ -339,20 +346,14 @@ class SpeculativeEngine:
             self.stats.accepted += j
             s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
-        kept = {n: hidden[offsets[n] : offsets[n] + j + 1] for n, (j, _) in enumerate(outcomes)}
-        if redo:  # roll the GatedDeltaNet states back to before the verification, then feed the kept positions
-            redo_slots = [slots[n] for n in redo]
-            load_linear_state(self.state, saved, redo_slots)
-            counts = [outcomes[n][0] + 1 for n in redo]
-            rows = to_device(torch.cat([torch.arange(offsets[n], offsets[n] + c) for n, c in zip(redo, counts)]), dev)
-            self.decoder.advance_linear(linear_inputs, rows, counts, self.state, redo_slots)
         emitted = [drafts[n][:j] + [y] for n, (j, y) in enumerate(outcomes)]
         log_probs = self._log_probs(logits, offsets, emitted, seqs)
         for n, s in enumerate(seqs):
+            kept_hidden = hidden[n, : len(emitted[n])]
             if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
-                s.pending_hidden, s.pending_tokens = kept[n], emitted[n]
+                s.pending_hidden, s.pending_tokens = kept_hidden, emitted[n]
             else:
-                s.pending_hidden = torch.cat([s.pending_hidden, kept[n]])
+                s.pending_hidden = torch.cat([s.pending_hidden, kept_hidden])
                 s.pending_tokens = s.pending_tokens + emitted[n]
             self._emit(s, emitted[n], log_probs[n])
         self.stats.rounds += 1

@@ -262,17 +262,41 @@ class GatedDeltaNet(nn.Module):
         advance in place, inactive rows keep theirs. Returns [B, 1, D]."""
         B = x.shape[0]
         x = x[:, 0]  # [B, D]
-        conv_weight = self.conv1d.weight.squeeze(1)
-        qkv, _ = self.ops.conv1d_step(
-            self.in_proj_qkv(x), cache.conv[:B], conv_weight, None, activation="silu", active=active, inplace=True
-        )
-        q, k, v = self.split_qkv(qkv)
         g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))
-        o, _ = self.ops.gdn_step(
-            q, k, v, g, beta, cache.recurrent[:B], use_qk_l2norm_in_kernel=True, active=active, inplace=True
-        )
+        o = self._step_states(self.in_proj_qkv(x), g, beta, cache.conv[:B], cache.recurrent[:B], active)
         o = self.norm(o, gate=self.in_proj_z(x).reshape(B, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, 1, self.value_dim))
+
+    def step_positions(self, x, cache, active) -> tuple[torch.Tensor, tuple]:
+        """T tokens per slot [0, B) (speculative decoding's verification): x [B, T, D]; a copy of each slot's
+        conv and recurrent state steps through the T positions, the cache keeps its own (`advance_positions`
+        commits the positions kept). Returns ([B, T, D], the steps' inputs for `advance_positions`)."""
+        B, T, _ = x.shape
+        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))  # [B, T, HV]
+        conv, recurrent = cache.conv[:B].clone(), cache.recurrent[:B].clone()
+        steps = [self._step_states(mixed[:, t], g[:, t], beta[:, t], conv, recurrent, active) for t in range(T)]
+        o = torch.stack(steps, 1)  # [B, T, HV, V]
+        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, self.value_dim)), (mixed, g, beta)
+
+    def advance_positions(self, inputs: tuple, cache, active, kept) -> None:
+        """Step the cache's conv and recurrent states of slots [0, B) through the first kept[b] of the positions
+        `step_positions` recorded (`inputs`), by the same steps; rows not active keep theirs."""
+        mixed, g, beta = inputs
+        conv, recurrent = cache.conv[: kept.numel()], cache.recurrent[: kept.numel()]
+        for t in range(mixed.shape[1]):
+            self._step_states(mixed[:, t], g[:, t], beta[:, t], conv, recurrent, active & (kept > t))
+
+    def _step_states(self, mixed, g, beta, conv, recurrent, active) -> torch.Tensor:
+        """One position per row [B]: the conv over the projection `mixed` [B, C] and the rule, `conv` and
+        `recurrent` advanced in place for the active rows. Returns the rule's output [B, HV, V]."""
+        qkv, _ = self.ops.conv1d_step(
+            mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu", active=active, inplace=True
+        )
+        q, k, v = self.split_qkv(qkv)
+        o, _ = self.ops.gdn_step(q, k, v, g, beta, recurrent, use_qk_l2norm_in_kernel=True, active=active, inplace=True)
+        return o
 
     def _seq_to_heads(self, mixed_qkv, z, b, a):
         """Ulysses exchange of the token-wise projections: mixed_qkv [B, T/sp, C], z [B, T/sp, HV, V],

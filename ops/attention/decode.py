@@ -59,7 +59,12 @@ def _sdpa_backends(device: torch.device):
 
 
 def decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v per row over positions [0, counts[b]) of cache row b.
 
@@ -67,12 +72,14 @@ def decode_attention_ref(
         q: [B, H, D]. k_cache, v_cache: [S, HKV, L, D] with S >= B (rows [0, B) are read), q's dtype.
         counts: [B] int64 in [1, L]: how many positions each row sees.
         scale: the softmax scale.
+        slots: [B] int64, the cache row each query row reads (several rows may read one: a slot's
+            positions verified at once); default row b reads row b.
     Returns:
         [B, H, D] in q's dtype (SDPA's math in that dtype).
     Raises:
         ValueError: shapes or dtypes that do not fit.
     """
-    check_decode_attention_inputs(q, k_cache, v_cache, counts)
+    check_decode_attention_inputs(q, k_cache, v_cache, counts, slots)
     B, H, D = q.shape
     HKV, L = k_cache.shape[1], k_cache.shape[2]
     # the group's query heads act as SDPA query rows of their kv head
@@ -80,7 +87,11 @@ def decode_attention_ref(
     visible = torch.arange(L, device=q.device)[None, :] < counts[:, None]
     with _sdpa_backends(q.device):
         o = F.scaled_dot_product_attention(
-            qg, k_cache[:B], v_cache[:B], attn_mask=visible[:, None, None, :], scale=scale
+            qg,
+            k_cache[:B] if slots is None else k_cache[slots],
+            v_cache[:B] if slots is None else v_cache[slots],
+            attn_mask=visible[:, None, None, :],
+            scale=scale,
         )  # [B, HKV, group, D]
     return o.reshape(B, H, D)
 

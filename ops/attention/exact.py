@@ -100,9 +100,9 @@ def _fast_on_device(q, k, v, scale=None, cu_seqlens=None, causal: bool = True, c
 causal_attention_exact = exact_forward(_packed_attention_rows, by_device(causal_attention_ref, _fast_on_device))
 
 
-def decode_attention_exact(q, k_cache, v_cache, counts, scale):
-    """`attention.decode`'s contract by `attention_rows` (row b reads slot b from position 0)."""
-    rows = torch.arange(q.shape[0], device=q.device)
+def decode_attention_exact(q, k_cache, v_cache, counts, scale, slots=None):
+    """`attention.decode`'s contract by `attention_rows` (row b reads slot b, or slots[b], from position 0)."""
+    rows = torch.arange(q.shape[0], device=q.device) if slots is None else slots
     return rows_on_device(q, k_cache, v_cache, rows, torch.zeros_like(rows), counts, scale)
 
 

@@ -8,11 +8,13 @@ Tolerances:
 | gdn step state after a sequence vs chunked reference    | fp32  | rel RMS        | 1e-5  |
 """
 
+import copy
+
 import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
-from verl_moe.models.decode import MoeDecoder
+from verl_moe.models.decode import LinearCache, MoeDecoder
 from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.conv1d import causal_conv1d_ref
 from verl_moe.ops.conv1d.step import causal_conv1d_step_ref, conv1d_state_from_prefill
@@ -144,6 +146,43 @@ def test_prefill_in_chunks_continues_the_slot(make_config):
         decoder.prefill([prompt[:2]], chunked, [1], starts=[-1])
     with pytest.raises(ValueError, match="capacity"):
         decoder.prefill([prompt], chunked, [1], starts=[12])
+
+
+@pytest.mark.parametrize("make_config", [tiny_qwen3_5_moe_text, tiny_qwen3_moe], ids=["qwen3_5_moe", "qwen3_moe"])
+def test_verify_and_commit_equal_one_token_steps(make_config):
+    """`verify` of T = 4 tokens per slot gives, at every position, the logits that four one-token steps give
+    and leaves the slots' GatedDeltaNet states and lengths as they were; `commit` of kept = 1, 4, 2 positions
+    leaves each slot as stepping just those tokens does, and an inactive slot as it was."""
+    model = _model(make_config())
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(4, 24)
+    decoder.prefill(PROMPTS, state, [0, 1, 2])
+    tokens = torch.tensor([[3, 8, 1, 5], [7, 7, 2, 9], [4, 12, 6, 1], [0, 0, 0, 0]])
+    active = torch.tensor([True, True, True, False])
+    kept = torch.tensor([1, 4, 2, 3])
+    before = copy.deepcopy(state)
+    hidden, steps = decoder.verify(tokens, state, active)
+    assert torch.equal(state.lengths, before.lengths)
+    for ours, old in zip(state.layers, before.layers):
+        if isinstance(ours, LinearCache):
+            assert torch.equal(ours.conv, old.conv) and torch.equal(ours.recurrent, old.recurrent)
+    every, stepped = copy.deepcopy(before), copy.deepcopy(before)
+    logits = model.logits(hidden).float()
+    for t in range(tokens.shape[1]):
+        out = decoder.step(tokens[:, t], every, active).float()
+        assert_rel_rms(f"verified position {t}", out[:3], logits[:3, t], 1e-5)
+        decoder.step(tokens[:, t], stepped, active & (kept > t))
+    decoder.commit(steps, kept, state, active)
+    assert state.lengths.tolist() == stepped.lengths.tolist() == [5 + 1, 1 + 4, 9 + 2, 0]
+    for ours, ref, old in zip(state.layers, stepped.layers, before.layers):
+        for name, a in vars(ours).items():
+            b = getattr(ref, name)
+            if isinstance(ours, LinearCache):
+                assert_rel_rms(name, b[:3], a[:3], 1e-5)
+            else:  # the positions below each slot's length are what a step reads
+                for slot, n in enumerate(state.lengths.tolist()[:3]):
+                    assert_rel_rms(f"{name} of slot {slot}", b[slot, :, :n], a[slot, :, :n], 1e-5)
+            assert torch.equal(a[3], getattr(old, name)[3])  # the inactive slot
 
 
 def test_decode_rejects_bad_inputs():

@@ -12,8 +12,8 @@ import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text
-from verl_moe.models.decode import LinearCache, MoeDecoder
-from verl_moe.models.mtp_decode import MtpDrafter, load_linear_state, save_linear_state
+from verl_moe.models.decode import MoeDecoder
+from verl_moe.models.mtp_decode import MtpDrafter
 
 TOL = 1e-5
 
@@ -46,21 +46,6 @@ def test_chunks_equal_one_forward(model):
     outs = [drafter.forward(hidden[a:b], [ids[0, a + 1 : b + 1].tolist()], cache, [1], [a]) for a, b in cuts[:3]]
     outs.append(drafter.forward(hidden[10:12], [ids[0, 11:13].tolist()], cache, [1], [10]))
     assert (torch.cat(outs) - mtp[:12]).abs().max() <= TOL
-
-
-def test_restore_linear_state(model):
-    decoder = MoeDecoder(model)
-    state = decoder.allocate(2, 16)
-    decoder.extend([[3, 4, 5], [6, 7]], state, [0, 1])
-    saved = save_linear_state(state, [0, 1])
-    before = [(c.conv.clone(), c.recurrent.clone()) for c in state.layers if isinstance(c, LinearCache)]
-    decoder.extend([[8, 9], [10]], state, [0, 1])
-    load_linear_state(state, saved, [1])
-    assert state.lengths.tolist() == [5, 2]
-    linear = [c for c in state.layers if isinstance(c, LinearCache)]
-    for cache, (conv, recurrent) in zip(linear, before):
-        assert torch.equal(cache.conv[1], conv[1]) and torch.equal(cache.recurrent[1], recurrent[1])
-        assert not torch.equal(cache.recurrent[0], recurrent[0])
 
 
 def test_drafter_needs_mtp_layers():
