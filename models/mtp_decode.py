@@ -106,5 +106,29 @@ class MtpDrafter:
         x, _ = layer.mlp(x)
         return mtp.norm(x, residual=residual)[0][0]
 
+    def step(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: MtpCache,
+        slots: torch.Tensor,
+        active: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` at one position per row, from device tensors and reading nothing back (a draft step):
+        hidden [B, D], tokens, positions, slots [B] int64 (row b's input token, its position and slot),
+        active [B] bool (inactive rows write nothing to the cache; their output is undefined). Returns [B, D]."""
+        text, mtp, layer = self.decoder.model.model, self.mtp, self.layer
+        embeds = text.embed_tokens(tokens[:, None])  # [B, 1, D]
+        cos, sin = text.rotary(positions[:, None], embeds.dtype)
+        x = torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(hidden[:, None])], dim=-1)
+        x = mtp.fc(x)
+        residual = x
+        x = layer.input_layernorm(x)
+        x = layer.self_attn.step_positions(x, cos, sin, cache.attention, positions[:, None], active, slots)
+        x, residual = layer.post_attention_layernorm(x, residual=residual)
+        x, _ = layer.mlp(x)
+        return mtp.norm(x, residual=residual)[0][:, 0]
+
 
 __all__ = ["MtpCache", "MtpDrafter"]

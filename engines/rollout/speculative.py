@@ -7,8 +7,8 @@ Each round, for every running request (slot), batched over the requests:
    output, through the shared lm_head, drafts d_1; its output at the draft's position and d_1's embedding
    draft d_2, and so on up to k tokens (fewer near max_tokens). Draft tokens are drawn from the MTP
    layer's distribution q at the request's temperature (argmax for greedy requests), each draft step for
-   all drafting requests at once on the device: q = softmax(logits / T) in fp32 and the token by inverse
-   CDF (`ops.sampling.inverse_cdf`) at one of the request's uniforms;
+   all requests at once on the device (`MtpDrafter.step`, nothing read back): q = softmax(logits / T) in
+   fp32 and the token by inverse CDF (`ops.sampling.inverse_cdf`) at one of the request's uniforms;
 2. verify: one pass of the main model over K + 1 positions of every slot (the token sampled last, then the
    drafts, padded to K; `MoeDecoder.verify`: one-token steps' kernels over several positions, the shapes
    fixed by the slot count and K, nothing read back) gives the target distributions p_0 .. p_k and leaves
@@ -19,8 +19,8 @@ Each round, for every running request (slot), batched over the requests:
    taken as 0 at j = k, which gives the bonus token from p_k (p_j itself when the residual sums to 0). So
    every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023, Chen et
    al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the target's
-   argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs to
-   the host once;
+   argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs and
+   drafts to the host once, after the commit;
 4. commit (`MoeDecoder.commit`, on the device): each slot's GatedDeltaNet conv and recurrent states step
    through its j + 1 kept positions again from the inputs the verification recorded, and its length grows
    by j + 1 (the attention caches hold the verified positions already; those past a slot's length are
@@ -301,24 +301,26 @@ class SpeculativeEngine:
         ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
         K, dev = self.k, self.decoder.device
         u = self._uniforms(seqs, 2 * K + 1)  # [N, 2K+1]: k draft draws, k acceptance numbers, the last draw
-        drafts, drafted, q = self._draft(seqs, ks, u[:, :K])
+        drafted, q = self._draft(seqs, ks, u[:, :K])
         slots = [s.slot for s in seqs]
         # the verification: over every slot at once, each running one's last token then its drafts (a request
-        # with fewer than K repeats its last token: positions after its k + 1 are never kept), idle slots inactive
+        # with fewer than K repeats its last one: positions after its k + 1 are never kept), idle slots inactive
         S = len(self._seqs)
-        tokens, active = torch.zeros(S, K + 1, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
-        for s, d in zip(seqs, drafts):
-            chunk = [s.pending_tokens[-1]] + d
-            tokens[s.slot], active[s.slot] = torch.tensor(chunk + chunk[-1:] * (K + 1 - len(chunk))), True
-        active, slot_rows = to_device(active, dev), to_device(torch.tensor(slots, dtype=torch.long), dev)
-        hidden, steps = self.decoder.verify(to_device(tokens, dev), self.state, active)
+        active = torch.zeros(S, dtype=torch.bool)
+        active[slots] = True
+        host = torch.tensor([slots, [s.pending_tokens[-1] for s in seqs], ks])
+        active, (slot_rows, last, ks_t) = to_device(active, dev), to_device(host, dev)
+        chunks = torch.cat([last[:, None], drafted], 1).gather(
+            1, torch.arange(K + 1, device=dev).minimum(ks_t[:, None])
+        )
+        tokens = torch.zeros(S, K + 1, dtype=torch.long, device=dev).index_put((slot_rows,), chunks)
+        hidden, steps = self.decoder.verify(tokens, self.state, active)
         hidden = hidden[slot_rows]  # [N, K+1, D]
         logits = self.model.logits(hidden.flatten(0, 1)).float()  # request n's positions at n (K+1) ..
         offsets = [n * (K + 1) for n in range(len(seqs))]
         # [N, K+1] each request's verified rows (a request with k < K repeats its last one, never read)
         at = [[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
         at = to_device(torch.tensor(at), dev)
-        ks_t = to_device(torch.tensor(ks, dtype=torch.long), dev)
         j, y = accept_greedy(logits[at], drafted, ks_t)
         sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
         if sampled:
@@ -332,10 +334,11 @@ class SpeculativeEngine:
         for s in seqs:
             if s.stream is not None:
                 s.draws += 2 * K + 1
-        # commit the kept positions (j + 1 per request) into the slots, before the round's one read of its outcomes
+        # commit the kept positions (j + 1 per request) into the slots, then the round's one read
         kept = torch.zeros(S, dtype=torch.long, device=dev).index_put((slot_rows,), j + 1)
         self.decoder.commit(steps, kept, self.state, active)
-        outcomes = list(zip(j.tolist(), y.tolist()))
+        read = torch.cat([j[:, None], y[:, None], drafted], 1).tolist()
+        outcomes = [(row[0], row[1]) for row in read]
         for n, s in enumerate(seqs):
             j = outcomes[n][0]
             if j < ks[n]:
@@ -346,7 +349,7 @@ class SpeculativeEngine:
             self.stats.accepted += j
             s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
-        emitted = [drafts[n][:j] + [y] for n, (j, y) in enumerate(outcomes)]
+        emitted = [row[2 : 2 + row[0]] + [row[1]] for row in read]
         log_probs = self._log_probs(logits, offsets, emitted, seqs)
         for n, s in enumerate(seqs):
             kept_hidden = hidden[n, : len(emitted[n])]
@@ -361,19 +364,17 @@ class SpeculativeEngine:
 
     # ---- rounds ----------------------------------------------------------------------------------
 
-    def _draft(
-        self, seqs: list[_Seq], ks: list[int], u: torch.Tensor
-    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor | None]:
-        """Up to ks[n] draft tokens per request, drawn with the uniforms u [N, K]: as lists, as a [N, K] int64
-        tensor (0 past ks[n]), and their draft distributions q [N, K, VOCAB] fp32 on the device (zero rows
-        past ks[n] and for greedy requests; None when no request drafts): the MTP layer's catch-up over the
-        pending positions, then one position per further draft, each step batched over the live requests."""
-        dev = self.decoder.device
-        drafts: list[list[int]] = [[] for _ in seqs]
-        drafted = torch.zeros(len(seqs), self.k, dtype=torch.int64, device=dev)
+    def _draft(self, seqs: list[_Seq], ks: list[int], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to ks[n] draft tokens per request, drawn with the uniforms u [N, K], on the device and read by nobody
+        here: [N, K] int64 (0 past ks[n]) and their draft distributions q [N, K, VOCAB] fp32 (zero past ks[n] and
+        for greedy requests; None when no request drafts). The MTP layer's catch-up over the pending positions
+        (packed, as many as each request has), then each further draft as one position of every request at once
+        (`MtpDrafter.step`; rows past their k inactive)."""
+        dev, K = self.decoder.device, self.k
+        drafted = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)
         rows = [n for n, k in enumerate(ks) if k > 0]
         if not rows:
-            return drafts, drafted, None
+            return drafted, None
         sub = [seqs[n] for n in rows]
         out = self.drafter.forward(
             torch.cat([s.pending_hidden for s in sub]),
@@ -383,36 +384,31 @@ class SpeculativeEngine:
             [s.mtp_start for s in sub],
         )
         ends = torch.tensor([len(s.pending_tokens) for s in sub]).cumsum(0) - 1
-        g = out[ends.to(out.device)]  # [R, D] the output at each request's last consumed position
         for s in sub:
             s.mtp_start += len(s.pending_tokens)
+        # per request: the output at its last consumed position (zeros for one that does not draft), and the
+        # position and slot its next draft step writes
+        g = out.new_zeros(len(seqs), out.shape[-1]).index_put(
+            (to_device(torch.tensor(rows), dev),), out[to_device(ends, dev)]
+        )
+        host = torch.tensor([[s.mtp_start for s in seqs], [s.slot for s in seqs], ks])
+        positions, slots, ks_t = to_device(host, dev)
         temps, greedy = self._temperatures(seqs)
         q_all = None
         for i in range(max(ks)):
             logits = self.model.logits(g).float()
-            idx = to_device(torch.tensor(rows, dtype=torch.long), dev)
-            q = torch.softmax(logits / temps[idx, None], -1)
-            tokens = torch.where(greedy[idx], logits.argmax(-1), inverse_cdf(q, u[idx, i]))
+            q = torch.softmax(logits / temps[:, None], -1)
+            tokens = torch.where(greedy, logits.argmax(-1), inverse_cdf(q, u[:, i]))
+            live = ks_t > i
             if q_all is None:
-                q_all = q.new_zeros(len(seqs), self.k, q.shape[-1])
-            q_all[idx, i] = torch.where(greedy[idx, None], 0.0, q)
-            drafted[idx, i] = tokens
-            for n, t in zip(rows, tokens.tolist()):
-                drafts[n].append(t)
-            live = [r for r, n in enumerate(rows) if ks[n] > i + 1]
-            if not live:
-                break
-            # the layer's output at s stands in for the main hidden state at s + 1 (speculative positions,
-            # written again by the next round's catch-up)
-            g = self.drafter.forward(
-                g[live],
-                [[drafts[rows[r]][i]] for r in live],
-                self.mtp_cache,
-                [seqs[rows[r]].slot for r in live],
-                [seqs[rows[r]].mtp_start + i for r in live],
-            )
-            rows = [rows[r] for r in live]
-        return drafts, drafted, q_all
+                q_all = q.new_zeros(len(seqs), K, q.shape[-1])
+            q_all[:, i] = torch.where((greedy | ~live)[:, None], 0.0, q)
+            drafted[:, i] = torch.where(live, tokens, 0)
+            if i + 1 < max(ks):
+                # the layer's output at s stands in for the main hidden state at s + 1 (speculative positions,
+                # written again by the next round's catch-up)
+                g = self.drafter.step(g, tokens, positions + i, self.mtp_cache, slots, ks_t > i + 1)
+        return drafted, q_all
 
     def _log_probs(
         self, logits: torch.Tensor, offsets: list[int], emitted: list[list[int]], seqs: Sequence[_Seq]

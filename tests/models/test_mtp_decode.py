@@ -48,6 +48,37 @@ def test_chunks_equal_one_forward(model):
     assert (torch.cat(outs) - mtp[:12]).abs().max() <= TOL
 
 
+def test_step_equals_forward_at_one_position(model):
+    """`MtpDrafter.step` (device tensors, rows in other slots at other positions, one row inactive) gives
+    `forward`'s output and cache entries at each active row's position, and leaves the inactive row's slot
+    as it was."""
+    gen = torch.Generator().manual_seed(2)
+    drafter = MtpDrafter(MoeDecoder(model))
+    hidden = torch.randn(3, 9, model.arch.hidden_size, generator=gen)
+    tokens = torch.randint(1, 128, (3, 9), generator=gen)
+    cache, ref = drafter.allocate(4, 16), drafter.allocate(4, 16)
+    slots, starts = [2, 0, 3], [5, 8, 3]
+    for c in (cache, ref):  # the positions before each row's
+        drafter.forward(torch.cat([hidden[n, :s] for n, s in enumerate(starts)]),
+                        [tokens[n, :s].tolist() for n, s in enumerate(starts)], c, slots, [0, 0, 0])  # fmt: skip
+    want = drafter.forward(
+        torch.stack([hidden[n, s] for n, s in enumerate(starts)]),
+        [[int(tokens[n, s])] for n, s in enumerate(starts)], ref, slots, starts,
+    )  # fmt: skip
+    before = cache.attention.k.clone()
+    active = torch.tensor([True, True, False])
+    out = drafter.step(
+        torch.stack([hidden[n, s] for n, s in enumerate(starts)]),
+        torch.stack([tokens[n, s] for n, s in enumerate(starts)]),
+        torch.tensor(starts), cache, torch.tensor(slots), active,
+    )  # fmt: skip
+    assert (out[:2] - want[:2]).abs().max() <= TOL
+    for n in range(2):
+        got, ref_k = cache.attention.k[slots[n], :, : starts[n] + 1], ref.attention.k[slots[n], :, : starts[n] + 1]
+        assert (got - ref_k).abs().max() <= TOL
+    assert torch.equal(cache.attention.k[slots[2]], before[slots[2]])
+
+
 def test_drafter_needs_mtp_layers():
     decoder = MoeDecoder(vm.build(tiny_qwen3_5_moe_text()))
     with pytest.raises(ValueError, match="needs the MTP layer"):
