@@ -20,7 +20,7 @@ Each round, for every running request (slot), batched over the requests:
    every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023, Chen et
    al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the target's
    argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs and
-   drafts to the host once, after the commit;
+   drafts to the host once, after the commit, and the emitted tokens' log-probs once;
 4. commit (`MoeDecoder.commit`, on the device): each slot's GatedDeltaNet conv and recurrent states step
    through its j + 1 kept positions again from the inputs the verification recorded, and its length grows
    by j + 1 (the attention caches hold the verified positions already; those past a slot's length are
