@@ -301,15 +301,16 @@ class SpeculativeEngine:
         ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
         K, dev = self.k, self.decoder.device
         u = self._uniforms(seqs, 2 * K + 1)  # [N, 2K+1]: k draft draws, k acceptance numbers, the last draw
-        drafted, q = self._draft(seqs, ks, u[:, :K])
         slots = [s.slot for s in seqs]
+        slot_rows, last, ks_t = to_device(torch.tensor([slots, [s.pending_tokens[-1] for s in seqs], ks]), dev)
+        temps, greedy = self._temperatures(seqs)
+        drafted, q = self._draft(seqs, ks, ks_t, slot_rows, temps, greedy, u[:, :K])
         # the verification: over every slot at once, each running one's last token then its drafts (a request
         # with fewer than K repeats its last one: positions after its k + 1 are never kept), idle slots inactive
         S = len(self._seqs)
         active = torch.zeros(S, dtype=torch.bool)
         active[slots] = True
-        host = torch.tensor([slots, [s.pending_tokens[-1] for s in seqs], ks])
-        active, (slot_rows, last, ks_t) = to_device(active, dev), to_device(host, dev)
+        active = to_device(active, dev)
         chunks = torch.cat([last[:, None], drafted], 1).gather(
             1, torch.arange(K + 1, device=dev).minimum(ks_t[:, None])
         )
@@ -325,8 +326,7 @@ class SpeculativeEngine:
         sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
         if sampled:
             rows = to_device(torch.tensor(sampled, dtype=torch.long), dev)
-            temps = to_device(torch.tensor([seqs[n].request.params.temperature for n in sampled]), dev)
-            p = torch.softmax(logits[at[rows]] / temps[:, None, None], -1)
+            p = torch.softmax(logits[at[rows]] / temps[rows, None, None], -1)
             if q is None:  # no request drafted this round
                 q = p.new_zeros(len(seqs), K, p.shape[-1])
             js, ys = accept_drafts(p, q[rows], drafted[rows], ks_t[rows], u[rows, K : 2 * K], u[rows, 2 * K])
@@ -337,10 +337,9 @@ class SpeculativeEngine:
         # commit the kept positions (j + 1 per request) into the slots, then the round's one read
         kept = torch.zeros(S, dtype=torch.long, device=dev).index_put((slot_rows,), j + 1)
         self.decoder.commit(steps, kept, self.state, active)
-        read = torch.cat([j[:, None], y[:, None], drafted], 1).tolist()
-        outcomes = [(row[0], row[1]) for row in read]
+        read = torch.cat([j[:, None], y[:, None], drafted], 1).tolist()  # per request: j, y, its drafts
         for n, s in enumerate(seqs):
-            j = outcomes[n][0]
+            j = read[n][0]
             if j < ks[n]:
                 self.stats.rejected += 1
             elif j > 0:
@@ -350,7 +349,7 @@ class SpeculativeEngine:
             s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
         emitted = [row[2 : 2 + row[0]] + [row[1]] for row in read]
-        log_probs = self._log_probs(logits, offsets, emitted, seqs)
+        log_probs = self._log_probs(logits, offsets, emitted, temps)
         for n, s in enumerate(seqs):
             kept_hidden = hidden[n, : len(emitted[n])]
             if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
@@ -364,12 +363,22 @@ class SpeculativeEngine:
 
     # ---- rounds ----------------------------------------------------------------------------------
 
-    def _draft(self, seqs: list[_Seq], ks: list[int], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(
+        self,
+        seqs: list[_Seq],
+        ks: list[int],
+        ks_t: torch.Tensor,
+        slots: torch.Tensor,
+        temps: torch.Tensor,
+        greedy: torch.Tensor,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Up to ks[n] draft tokens per request, drawn with the uniforms u [N, K], on the device and read by nobody
         here: [N, K] int64 (0 past ks[n]) and their draft distributions q [N, K, VOCAB] fp32 (zero past ks[n] and
-        for greedy requests; None when no request drafts). The MTP layer's catch-up over the pending positions
-        (packed, as many as each request has), then each further draft as one position of every request at once
-        (`MtpDrafter.step`; rows past their k inactive)."""
+        for greedy requests; None when no request drafts). ks_t, slots, temps, greedy: ks, the requests' slots,
+        `_temperatures` on the device. The MTP layer's catch-up over the pending positions (packed, as many as
+        each request has), then each further draft as one position of every request at once (`MtpDrafter.step`;
+        rows past their k inactive)."""
         dev, K = self.decoder.device, self.k
         drafted = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)
         rows = [n for n, k in enumerate(ks) if k > 0]
@@ -387,13 +396,11 @@ class SpeculativeEngine:
         for s in sub:
             s.mtp_start += len(s.pending_tokens)
         # per request: the output at its last consumed position (zeros for one that does not draft), and the
-        # position and slot its next draft step writes
+        # position its next draft step writes
         g = out.new_zeros(len(seqs), out.shape[-1]).index_put(
             (to_device(torch.tensor(rows), dev),), out[to_device(ends, dev)]
         )
-        host = torch.tensor([[s.mtp_start for s in seqs], [s.slot for s in seqs], ks])
-        positions, slots, ks_t = to_device(host, dev)
-        temps, greedy = self._temperatures(seqs)
+        positions = to_device(torch.tensor([s.mtp_start for s in seqs]), dev)
         q_all = None
         for i in range(max(ks)):
             logits = self.model.logits(g).float()
@@ -410,17 +417,18 @@ class SpeculativeEngine:
                 g = self.drafter.step(g, tokens, positions + i, self.mtp_cache, slots, ks_t > i + 1)
         return drafted, q_all
 
+    @staticmethod
     def _log_probs(
-        self, logits: torch.Tensor, offsets: list[int], emitted: list[list[int]], seqs: Sequence[_Seq]
+        logits: torch.Tensor, offsets: list[int], emitted: list[list[int]], temps: torch.Tensor
     ) -> list[list[float]]:
         """Each request's emitted tokens' log-probs under the target, log_softmax(logits / temperature) in
-        fp32 (temperature 1 for greedy requests) at its verified rows offsets[n] .. offsets[n] +
+        fp32 (temps: `_temperatures`, 1 for greedy requests) at its verified rows offsets[n] .. offsets[n] +
         len(emitted[n]) - 1: one pass over every request's rows and one read to the host."""
         dev = logits.device
         counts = torch.tensor([len(e) for e in emitted])
         rows = torch.cat([torch.arange(offsets[n], offsets[n] + len(e)) for n, e in enumerate(emitted)])
         tokens = torch.tensor([t for e in emitted for t in e])
-        temps = self._temperatures(seqs)[0].repeat_interleave(to_device(counts, dev))
+        temps = temps.repeat_interleave(to_device(counts, dev))
         rows, tokens = to_device(torch.stack([rows, tokens]), dev)
         picked = (logits[rows] / temps[:, None]).log_softmax(-1).gather(-1, tokens[:, None])
         flat = picked[:, 0].tolist()

@@ -64,19 +64,25 @@ def cached_attention_triton(
     cu_cpu: Sequence[int],
     scale: float,
 ) -> torch.Tensor:
-    """`cached_attention_ref`'s contract. Chunks of at most SHORT_CHUNK rows (speculative decoding's
-    verification: k + 1 rows in each of many slots) run as the rows of one Triton decode-attention launch,
-    each row a query at its own position that reads its slot's first position + 1 keys; a batch with a
-    longer chunk (a long prompt prefilled in pieces) takes `cached_attention_ref`."""
-    lengths = [b - a for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]
-    if max(lengths) > SHORT_CHUNK or q.dtype == torch.float64:
+    """`cached_attention_ref`'s contract. Chunks of at most SHORT_CHUNK rows (the MTP layer's catch-up in
+    speculative decoding: a few rows in each of many slots) run as the rows of one Triton decode-attention
+    launch, each row a query at its own position that reads its slot's first position + 1 keys; a batch with
+    a longer chunk (a long prompt prefilled in pieces) takes `cached_attention_ref`."""
+    if max(b - a for a, b in zip(cu_cpu[:-1], cu_cpu[1:])) > SHORT_CHUNK or q.dtype == torch.float64:
         return cached_attention_ref(q, k_cache, v_cache, slots, starts, cu_cpu, scale)
     from .decode_kernel import decode_attention_triton
 
-    row_slot = [s for s, n in zip(slots, lengths) for _ in range(n)]
-    row_count = [start + i + 1 for start, n in zip(starts, lengths) for i in range(n)]
-    rows = to_device(torch.tensor([row_slot, row_count], dtype=torch.int64), q.device)  # one copy, not waited for
-    return decode_attention_triton(q, k_cache, v_cache, rows[1], scale, slots=rows[0])
+    slot, pos = chunk_rows(slots, starts, cu_cpu, q.device)
+    return decode_attention_triton(q, k_cache, v_cache, pos + 1, scale, slots=slot)
 
 
-__all__ = ["IMPLS", "SHORT_CHUNK", "cached_attention_ref", "cached_attention_triton"]
+def chunk_rows(slots, starts, cu_cpu, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the chunks: (its slot, its position in the slot) as [T] int64 on `device`, one copy there."""
+    lengths = [b - a for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]
+    slot = [s for s, n in zip(slots, lengths) for _ in range(n)]
+    pos = [start + i for start, n in zip(starts, lengths) for i in range(n)]
+    slot, pos = to_device(torch.tensor([slot, pos], dtype=torch.long), device)
+    return slot, pos
+
+
+__all__ = ["IMPLS", "SHORT_CHUNK", "cached_attention_ref", "cached_attention_triton", "chunk_rows"]

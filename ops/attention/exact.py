@@ -18,6 +18,7 @@ import torch
 from ..dispatch import resolve
 from ..exact import by_device, exact_forward
 from ..varlen import HostOffsets, sequence_starts
+from .cached import chunk_rows
 from .exact_kernel import attention_rows_triton
 from .reference import causal_attention_ref, check_attention_inputs
 
@@ -110,16 +111,8 @@ def cached_attention_exact(
     q, k_cache, v_cache, slots: Sequence[int], starts: Sequence[int], cu_cpu: Sequence[int], scale: float
 ):
     """`attention.cached`'s contract by `attention_rows`."""
-    slot, pos = _chunk_rows(slots, starts, cu_cpu, q.device)
+    slot, pos = chunk_rows(slots, starts, cu_cpu, q.device)
     return rows_on_device(q, k_cache, v_cache, slot, torch.zeros_like(slot), pos + 1, scale)
-
-
-def _chunk_rows(slots, starts, cu_cpu, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of the chunks: (its slot, its position in the slot) as [T] int64."""
-    lengths = [b - a for a, b in zip(cu_cpu[:-1], cu_cpu[1:])]
-    slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], dtype=torch.long)
-    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-    return slot.to(device), pos.to(device)
 
 
 __all__ = ["TILE", "attention_rows", "cached_attention_exact", "causal_attention_exact", "decode_attention_exact"]
