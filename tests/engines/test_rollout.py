@@ -10,8 +10,10 @@ Tolerances:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -279,7 +281,7 @@ def test_server_generate_batched_greedy_follows_weight_updates(caplog):
             assert (torch.tensor(out.log_probs) - lp_ref).abs().max().item() <= 1e-5
 
 
-def test_server_abort_resume_and_sleep():
+def test_server_abort_resume_and_sleep(monkeypatch):
     model = _model()
     config = _rollout_config(response_length=12)
     adapter = _adapter(config)
@@ -301,8 +303,12 @@ def test_server_abort_resume_and_sleep():
         await server.abort_all_requests(reject_request=True)
         rejected = await server.generate([1, 2], dict(params), "rejected")
         await server.resume_generation()
+        held.extend(weakref.ref(x) for x in (next(adapter._model.parameters()), adapter._engine))
         await server.sleep()
         return aborted, partial, late, rejected
+
+    held, collections = [], []
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: collections.append(a))
 
     aborted, partial, late, rejected = asyncio.run(scenario())
     assert aborted["aborted_count"] == len(PROMPTS)
@@ -310,6 +316,8 @@ def test_server_abort_resume_and_sleep():
     assert late.stop_reason == "completed" and len(late.token_ids) == 12
     assert rejected.stop_reason == "aborted" and rejected.token_ids == []
     assert adapter._model is None  # sleep freed the weights (free_cache_engine)
+    # by reference counts alone (no reference cycle holds them): no full garbage collection ran
+    assert [ref() for ref in held] == [None, None] and collections == []
     with pytest.raises(ValueError, match="no weights"):
         adapter.engine_run([], 1)
 
