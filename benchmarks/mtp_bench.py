@@ -15,7 +15,10 @@ cuda) and by `SpeculativeEngine` with k drafts per round, each timed on its seco
 Report (`--json`, one JSON object): `mean_entropy` (the trained model's next-token entropy at temperature 1 on
 held-out corpus sequences), `corpus_entropy`, `train_steps`, `train_s`, `loss`, `mtp_loss` (last step), and
 `records`, one per (requests, k): `requests`, `k`, `tokens`, `plain_tokens_per_s`, `spec_tokens_per_s`,
-`speedup` (spec over plain) and `acceptance` (draft tokens kept / drafted in the timed batch).
+`speedup` (spec over plain) and `acceptance` (draft tokens kept / drafted in the timed batch), and what the
+rollout does with speculation on (`engines/rollout/routing.py`): `path` ("speculative" where the wave of requests
+is at most `--max-speculative`, the rollout's `max_speculative`, else "plain": speculation steps aside) and
+`rollout_speedup`, that path's tokens/s over plain's (1 where it steps aside).
 
 python benchmarks/mtp_bench.py --json results/mtp_h100.json          # reduced model, on a GPU
 python benchmarks/mtp_bench.py --tiny --train-seconds 20 --requests 1,4 --new-tokens 16   # smoke run on CPU
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import verl_moe.models as vm
 from transformers import Qwen3_5MoeTextConfig
+from verl_moe.engines.rollout.config import RolloutOptions
 from verl_moe.engines.rollout.engine import GenerationEngine, Request
 from verl_moe.engines.rollout.sampling import SamplingParams
 from verl_moe.engines.rollout.speculative import SpeculativeEngine
@@ -184,6 +188,8 @@ def measure(model, chain: Chain, requests: int, ks: list[int], args) -> list[dic
                 "spec_tokens_per_s": tokens / spec_s,
                 "speedup": plain_s / spec_s,
                 "acceptance": accepted / drafted if drafted else 0.0,
+                "path": "speculative" if requests <= args.max_speculative else "plain",
+                "rollout_speedup": plain_s / spec_s if requests <= args.max_speculative else 1.0,
             }
         )
         print(json.dumps(records[-1]), flush=True)
@@ -206,6 +212,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", default="1,8,32,256")
     parser.add_argument("--k", default="1,2,3", help="draft tokens per round to measure")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-speculative",
+        type=int,
+        default=RolloutOptions.max_speculative,
+        help="the rollout's max_speculative: larger waves decode plainly",
+    )
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     if args.states >= args.vocab:

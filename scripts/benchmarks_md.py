@@ -488,7 +488,7 @@ def ablation_table(records: list[dict]) -> str:
 
 
 def mtp_section(reports: list[tuple[str, dict]]) -> str:
-    header = ["requests", "k", "acceptance", "plain tokens/s", "speculative tokens/s", "speedup"]
+    header = ["requests", "k", "acceptance", "plain tokens/s", "speculative tokens/s", "speedup", "rollout path"]
     parts = []
     for name, rep in reports:
         parts.append(
@@ -499,7 +499,7 @@ def mtp_section(reports: list[tuple[str, dict]]) -> str:
         )
         body = [
             [num(r["requests"]), num(r["k"]), pct(r["acceptance"]), num(r["plain_tokens_per_s"])]
-            + [num(r["spec_tokens_per_s"]), num(r["speedup"], 3) + "x"]
+            + [num(r["spec_tokens_per_s"]), num(r["speedup"], 3) + "x", r.get("path", "-")]
             for r in rep["records"]
         ]
         parts.append(table(header, body, set(range(len(header)))))

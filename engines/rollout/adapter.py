@@ -15,9 +15,10 @@ the next `update_weights` fills it, as verl's hybrid loop does every step; `resu
 with, so the step's requests, arriving one by one, take slots without growing them.
 Without `free_cache_engine` the engine, its slots and its captured graphs live across steps.
 
-With `engine_kwargs.verl_moe.speculative_tokens` k > 0 (or verl's `model.mtp.enable_rollout`) the engine is a
-`SpeculativeEngine` (the model's MTP layer drafts k tokens per round, eager) in place of `GenerationEngine`;
-every call here works on either.
+With `engine_kwargs.verl_moe.speculative_tokens` k > 0 (or verl's `model.mtp.enable_rollout`) a
+`SpeculativeEngine` (the model's MTP layer drafts k tokens per round, eager) serves the calls that leave at
+most `max_speculative` requests running and `GenerationEngine` the others (`routing.py`); every call here
+works on either.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ...models import build, get_spec
 from ...models.layers import TopKRouter
 from .config import MTP_KEY, OPTIONS_KEY, RolloutOptions, rollout_dtype
 from .engine import Completion, GenerationEngine, Request
+from .routing import SpeculativeWhereItPays
 from .speculative import SpeculativeEngine
 from .weights import load_named_tensors
 
@@ -101,7 +103,7 @@ class MoeRolloutAdapter(BaseRollout):
                 f"set {MTP_KEY}.enable=true on a checkpoint with mtp.* tensors, or speculative_tokens=0"
             )
         self._model = None
-        self._engine: GenerationEngine | SpeculativeEngine | None = None
+        self._engine: GenerationEngine | SpeculativeWhereItPays | None = None
         self._slot_sizes: dict[str, int] = {}  # the last engine's `sizes`, reserved again on wake-up
         self._profiler = None
         self._profile_count = 0
@@ -154,21 +156,7 @@ class MoeRolloutAdapter(BaseRollout):
         self.global_steps = global_steps
         # the training step, when verl says it, so a resumed run samples what an uninterrupted one did
         self.weights_version = global_steps if global_steps is not None else self.weights_version + 1
-        if self._engine is None and self.options.speculative_tokens:
-            self._engine = SpeculativeEngine(
-                self._model,
-                self.eos_token_ids,
-                num_draft_tokens=self.options.speculative_tokens,
-                seed=self.config.seed,
-                max_positions=self.max_positions,
-                max_num_seqs=self.config.max_num_seqs,
-            )
-            logger.info(
-                "verl_moe rollout replica %d: speculative decoding, %d draft tokens per round (MTP layer, eager)",
-                self.replica_rank,
-                self._engine.k,
-            )
-        elif self._engine is None:
+        if self._engine is None:
             self._engine = GenerationEngine(
                 self._model,
                 self.eos_token_ids,
@@ -179,6 +167,23 @@ class MoeRolloutAdapter(BaseRollout):
                 max_prefill_tokens=self.options.max_prefill_tokens,
                 device_graphs=False if self.config.enforce_eager else self.options.device_graphs,
             )
+            if self.options.speculative_tokens:
+                speculative = SpeculativeEngine(
+                    self._model,
+                    self.eos_token_ids,
+                    num_draft_tokens=self.options.speculative_tokens,
+                    seed=self.config.seed,
+                    max_positions=self.max_positions,
+                    max_num_seqs=self.config.max_num_seqs,
+                )
+                self._engine = SpeculativeWhereItPays(speculative, self._engine, self.options.max_speculative)
+                logger.info(
+                    "verl_moe rollout replica %d: speculative decoding (MTP layer, eager), %d draft tokens per "
+                    "round, for calls that leave at most %d requests running",
+                    self.replica_rank,
+                    speculative.k,
+                    self.options.max_speculative,
+                )
         # the weights were copied into the model in place: the engine's slots and graphs stay valid
         self._engine.set_weights_version(self.weights_version)
         logger.info(
@@ -207,7 +212,7 @@ class MoeRolloutAdapter(BaseRollout):
         if self._engine is None:
             raise ValueError("verl_moe rollout has no weights yet: verl calls update_weights before generating")
         done = self._engine.add(requests) + self._engine.step(steps)
-        extra = self._engine.take_request_stats() if isinstance(self._engine, SpeculativeEngine) else {}
+        extra = self._engine.take_request_stats() if isinstance(self._engine, SpeculativeWhereItPays) else {}
         return {
             "completions": done,
             "running": self._engine.num_running,

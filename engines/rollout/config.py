@@ -43,6 +43,9 @@ class RolloutOptions:
         the model (`speculative.py::SpeculativeEngine`: eager, temperature and greedy sampling only); 0: off.
         verl's `actor_rollout_ref.model.mtp.enable_rollout=true` (with `mtp.enable`) sets it to
         `mtp.num_speculative_tokens` (see `from_rollout_config`).
+    max_speculative: with speculative_tokens, an engine call's new requests decode speculatively when at
+        most this many requests run with them, else in the plain engine (device_graphs applies to it;
+        `routing.py`); 0: never speculate, max_num_seqs or more: always.
     """
 
     steps_per_call: int = 16
@@ -52,6 +55,7 @@ class RolloutOptions:
     device_graphs: bool | None = None
     max_prefill_tokens: int = 32768
     speculative_tokens: int = 0
+    max_speculative: int = 32
 
     def __post_init__(self):
         if self.steps_per_call < 1:
@@ -63,10 +67,8 @@ class RolloutOptions:
             raise ValueError(f"{OPTIONS_KEY}.batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.speculative_tokens < 0:
             raise ValueError(f"{OPTIONS_KEY}.speculative_tokens must be >= 0 (0: off), got {self.speculative_tokens}")
-        if self.speculative_tokens and self.device_graphs:
-            raise ValueError(
-                f"{OPTIONS_KEY}.speculative_tokens runs eagerly only: unset {OPTIONS_KEY}.device_graphs (or set false)"
-            )
+        if self.max_speculative < 0:
+            raise ValueError(f"{OPTIONS_KEY}.max_speculative must be >= 0, got {self.max_speculative}")
         if self.speculative_tokens and self.ops is not None and self.ops.get("exact"):
             raise ValueError(
                 f"{OPTIONS_KEY}.speculative_tokens is not exact (its verification runs k + 1 positions at once): "

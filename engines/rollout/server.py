@@ -33,10 +33,9 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from .config import OPTIONS_KEY, ROLLOUT_KEY, RolloutOptions
+from .config import ROLLOUT_KEY, RolloutOptions
 from .engine import Completion, Request, check_prompt
 from .sampling import SamplingParams
-from .speculative import check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +129,7 @@ class MoeRolloutServer:
 
         Raises:
             ValueError: multimodal input, extra arguments, a prompt `check_prompt` refuses or that
-                leaves no room, max_tokens < 1, or sampling parameters the sampler (or, with
-                speculative_tokens, the speculative path) does not implement.
+                leaves no room, max_tokens < 1, or sampling parameters the sampler does not implement.
         """
         if any(x is not None for x in (image_data, video_data, audio_data)) or mm_processor_kwargs:
             raise ValueError("verl_moe rollout generates from text token ids only (no image/video/audio input)")
@@ -168,13 +166,6 @@ class MoeRolloutServer:
             # replica rank keeps identical prompts on different replicas on different streams
             sample_key=str(request_id) if self.config.full_determinism else f"replica{self.replica_rank}",
         )
-        if self.options.speculative_tokens:
-            try:
-                check_sampling(request.params)
-            except ValueError as e:
-                raise ValueError(
-                    f"{e}: with {OPTIONS_KEY}.speculative_tokens={self.options.speculative_tokens}"
-                ) from None
         while not self._gate.is_set():
             if self._rejecting:
                 return _token_output(Completion(request.request_id, [], None, "abort"), self.global_steps)

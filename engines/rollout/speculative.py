@@ -156,9 +156,14 @@ _UNSUPPORTED = (
 )
 
 
+def unsupported_sampling(params: SamplingParams) -> list[str]:
+    """The sampling settings of `params` this path does not implement (empty: it can serve them)."""
+    return [name for name, used in _UNSUPPORTED if used(params)]
+
+
 def check_sampling(params: SamplingParams) -> None:
     """Raises ValueError naming the sampling settings of `params` this path does not implement."""
-    bad = [name for name, used in _UNSUPPORTED if used(params)]
+    bad = unsupported_sampling(params)
     if bad:
         raise ValueError(f"speculative decoding does not implement {bad} yet (temperature and greedy only)")
 
@@ -558,4 +563,11 @@ class SpeculativeEngine:
         return stream
 
 
-__all__ = ["SpeculativeEngine", "SpeculativeStats", "accept_drafts", "accept_greedy", "check_sampling"]
+__all__ = [
+    "SpeculativeEngine",
+    "SpeculativeStats",
+    "accept_drafts",
+    "accept_greedy",
+    "check_sampling",
+    "unsupported_sampling",
+]

@@ -33,6 +33,7 @@ from verl.workers.config import MtpConfig, RolloutConfig
 from verl_moe.engines.rollout.adapter import MoeRolloutAdapter
 from verl_moe.engines.rollout.config import OPTIONS_KEY, RolloutOptions
 from verl_moe.engines.rollout.engine import GenerationEngine
+from verl_moe.engines.rollout.routing import SpeculativeWhereItPays
 from verl_moe.engines.rollout.server import LocalEngineClient, MoeRolloutServer
 from verl_moe.engines.rollout.speculative import SpeculativeEngine
 
@@ -107,7 +108,8 @@ def _serve(model, config: RolloutConfig, tag: str, params: dict):
         await adapter.resume(["weights"])
         await adapter.update_weights(vm.to_vllm_named_tensors(model), global_steps=2)
         await adapter.resume(["kv_cache"])
-        assert adapter._engine.sizes == sizes and sizes["slots"] >= len(PROMPTS)
+        slots = sizes["speculative"]["slots"] if "speculative" in sizes else sizes["slots"]
+        assert adapter._engine.sizes == sizes and slots >= len(PROMPTS)
         return first, await generate_all("b")
 
     first, second = asyncio.run(scenario())
@@ -117,7 +119,7 @@ def _serve(model, config: RolloutConfig, tag: str, params: dict):
 def test_greedy_through_the_server_equals_speculation_off(model):
     _, plain, _ = _serve(model, _config(0), "p", GREEDY)
     adapter, first, second = _serve(model, _config(2), "s", GREEDY)
-    assert isinstance(adapter._engine, SpeculativeEngine) and adapter._engine.k == 2
+    assert isinstance(adapter._engine, SpeculativeWhereItPays) and adapter._engine.k == 2
     drafted = accepted = 0
     for outs in (first, second):
         for ref, out in zip(plain, outs):
@@ -197,25 +199,62 @@ def test_engine_calls_the_adapter_makes(model):
     assert engine.generate([request])[0].token_ids == plain[0].token_ids
 
 
+def test_speculation_steps_aside_for_many_requests_and_other_sampling(model):
+    """`SpeculativeWhereItPays` (max_speculative 2): requests arriving when more than 2 would run decode in the
+    plain engine, with plain decoding's tokens and log-probs and no draft counts; with few running, new ones
+    decode speculatively (greedy: the same tokens); a request with a sampling setting the speculative path
+    lacks goes to the plain engine at any load, with the tokens a plain engine alone gives it (same seed)."""
+    from verl_moe.engines.rollout.engine import Request
+    from verl_moe.engines.rollout.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
+    requests = [Request(f"r{i}", p, greedy) for i, p in enumerate(PROMPTS)]
+    alone = {r.request_id: GenerationEngine(model, []).generate([r])[0] for r in requests}
+    router = SpeculativeWhereItPays(
+        SpeculativeEngine(model, [], num_draft_tokens=2), GenerationEngine(model, []), max_speculative=2
+    )
+    assert router.add(requests[:3]) == []  # 3 > 2: plain
+    assert (router.speculative.num_running, router.plain.num_running) == (0, 3)
+    router.add(requests[3:])  # 4 running: plain again
+    assert router.plain.num_running == 4
+    done = {c.request_id: c for c in router.step(10)}
+    again = [Request(f"s{i}", p, greedy) for i, p in enumerate(PROMPTS[:2])]
+    router.add(again)  # 2 running: speculative
+    assert (router.speculative.num_running, router.plain.num_running) == (2, 0)
+    while router.num_running:
+        done.update((c.request_id, c) for c in router.step(4))
+    for r in requests + again:
+        ref = alone[r.request_id.replace("s", "r")]
+        assert done[r.request_id].token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(done[r.request_id].log_probs, ref.log_probs)) <= TOL
+    assert set(router.take_request_stats()) == {"s0", "s1"}  # draft counts of the speculative ones only
+
+    top_k = Request("k", PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.8, top_k=3, seed=7))
+    router.add([top_k])
+    assert router.plain.num_running == 1 and router.speculative.num_running == 0
+    (out,) = router.step(10)
+    assert out.token_ids == GenerationEngine(model, []).generate([top_k])[0].token_ids
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 
-def test_refusals_name_the_key():
+def test_refusals_name_the_key(model):
     with pytest.raises(ValueError, match=r"speculative_tokens=2 drafts with the model's MTP layer.*has none"):
         _adapter(_config(2), mtp_layers=0)
-    with pytest.raises(ValueError, match=r"speculative_tokens runs eagerly only.*device_graphs"):
-        _adapter(_config(2, {"device_graphs": True}))
     with pytest.raises(ValueError, match=r"speculative_tokens is not exact.*ops.exact"):
         _adapter(_config(2, {"ops": {"exact": True}}))
     with pytest.raises(ValueError, match=r"speculative_tokens must be >= 0"):
         RolloutOptions(speculative_tokens=-1)
-    _adapter(_config(2, {"device_graphs": False}))  # eager asked for explicitly: fine
+    with pytest.raises(ValueError, match=r"max_speculative must be >= 0"):
+        RolloutOptions(speculative_tokens=2, max_speculative=-1)
+    # what the speculative path lacks goes to the plain engine: served, not refused
     config = _config(2)
-    server = MoeRolloutServer(config, engine=LocalEngineClient(_adapter(config)))
+    server = MoeRolloutServer(config, engine=LocalEngineClient(adapter := _adapter(config)))
+    asyncio.run(adapter.update_weights(vm.to_vllm_named_tensors(model), global_steps=1))
     for setting in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.2}):
-        name = next(iter(setting))
-        with pytest.raises(ValueError, match=rf"does not implement \['{name}'\].*speculative_tokens=2"):
-            asyncio.run(server.generate([1, 2], {"temperature": 1.0, **setting}, "bad"))
+        out = asyncio.run(server.generate([1, 2], {"temperature": 1.0, "seed": 3, **setting}, "other"))
+        assert len(out.token_ids) == config.response_length and "spec_num_draft_tokens" not in out.extra_fields
 
 
 def test_verls_mtp_rollout_switch():
@@ -267,4 +306,4 @@ def test_main_ppo_with_speculative_rollout(tmp_path_factory, tmp_path, switch):
             assert 0.0 <= metrics["rollout/spec_accept_rate"] <= 1.0, (step, metrics)
             assert 1.0 <= metrics["rollout/spec_accept_length"] <= 3.0, (step, metrics)
     log = (tmp_path / "main_ppo.log").read_text()
-    assert "speculative decoding, 2 draft tokens per round" in log
+    assert "speculative decoding (MTP layer, eager), 2 draft tokens per round" in log
