@@ -19,8 +19,8 @@ Each round, for every running request (slot), batched over the requests:
    taken as 0 at j = k, which gives the bonus token from p_k (p_j itself when the residual sums to 0). So
    every emitted token is distributed exactly as the target's next token (Leviathan et al. 2023, Chen et
    al. 2023). A greedy request keeps a draft when it equals the target's argmax and emits the target's
-   argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs and
-   drafts to the host once, after the commit, and the emitted tokens' log-probs once;
+   argmax otherwise (`accept_greedy`): the target's greedy tokens. The round reads its (j, token) pairs,
+   drafts and the emitted tokens' log-probs (the target's) to the host once, after the commit;
 4. commit (`MoeDecoder.commit`, on the device): each slot's GatedDeltaNet conv and recurrent states step
    through its j + 1 kept positions again from the inputs the verification recorded, and its length grows
    by j + 1 (the attention caches hold the verified positions already; those past a slot's length are
@@ -342,7 +342,13 @@ class SpeculativeEngine:
         # commit the kept positions (j + 1 per request) into the slots, then the round's one read
         kept = torch.zeros(S, dtype=torch.long, device=dev).index_put((slot_rows,), j + 1)
         self.decoder.commit(steps, kept, self.state, active)
-        read = torch.cat([j[:, None], y[:, None], drafted], 1).tolist()  # per request: j, y, its drafts
+        # the target's log-prob of the token each verified position would emit (draft i before j, y at j)
+        position = torch.arange(K + 1, device=dev)
+        emit = torch.cat([drafted, y[:, None]], 1).gather(1, torch.where(position < j[:, None], position, K))
+        log_p = (logits[at] / temps[:, None, None]).log_softmax(-1).gather(-1, emit[..., None])[..., 0]
+        # the round's one read, in fp64 (token ids < 2**53 are exact): per request j, y, its drafts, log-probs
+        read = torch.cat([j[:, None], y[:, None], drafted, log_p], 1).double().tolist()
+        read = [[int(x) for x in row[: 2 + K]] + row[2 + K :] for row in read]
         for n, s in enumerate(seqs):
             j = read[n][0]
             if j < ks[n]:
@@ -354,7 +360,7 @@ class SpeculativeEngine:
             s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
             self.last_round[s.request.request_id] = (ks[n], j)
         emitted = [row[2 : 2 + row[0]] + [row[1]] for row in read]
-        log_probs = self._log_probs(logits, offsets, emitted, temps)
+        log_probs = [row[2 + K : 3 + K + row[0]] for row in read]
         for n, s in enumerate(seqs):
             kept_hidden = hidden[n, : len(emitted[n])]
             if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
@@ -421,24 +427,6 @@ class SpeculativeEngine:
                 # written again by the next round's catch-up)
                 g = self.drafter.step(g, tokens, positions + i, self.mtp_cache, slots, ks_t > i + 1)
         return drafted, q_all
-
-    @staticmethod
-    def _log_probs(
-        logits: torch.Tensor, offsets: list[int], emitted: list[list[int]], temps: torch.Tensor
-    ) -> list[list[float]]:
-        """Each request's emitted tokens' log-probs under the target, log_softmax(logits / temperature) in
-        fp32 (temps: `_temperatures`, 1 for greedy requests) at its verified rows offsets[n] .. offsets[n] +
-        len(emitted[n]) - 1: one pass over every request's rows and one read to the host."""
-        dev = logits.device
-        counts = torch.tensor([len(e) for e in emitted])
-        rows = torch.cat([torch.arange(offsets[n], offsets[n] + len(e)) for n, e in enumerate(emitted)])
-        tokens = torch.tensor([t for e in emitted for t in e])
-        temps = temps.repeat_interleave(to_device(counts, dev))
-        rows, tokens = to_device(torch.stack([rows, tokens]), dev)
-        picked = (logits[rows] / temps[:, None]).log_softmax(-1).gather(-1, tokens[:, None])
-        flat = picked[:, 0].tolist()
-        bounds = [0, *counts.cumsum(0).tolist()]
-        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _temperatures(self, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         """[N] fp32 temperatures (1 for greedy requests) and [N] bool greedy, on the device."""
