@@ -104,7 +104,7 @@ class MoeRolloutAdapter(BaseRollout):
             )
         self._model = None
         self._engine: GenerationEngine | SpeculativeWhereItPays | None = None
-        self._slot_sizes: dict[str, int] = {}  # the last engine's `sizes`, reserved again on wake-up
+        self._slot_sizes: dict = {}  # the last engine's `sizes`, reserved again on wake-up
         self._profiler = None
         self._profile_count = 0
         if self.is_leader_rank:
