@@ -7,7 +7,7 @@ drafts' extra work only costs. So each engine call admits its new requests to th
 the requests then running (in both engines, the new ones included) number at most `max_speculative`, and
 to the plain engine otherwise; a request stays with the engine that admitted it until it finishes. A wave
 of requests larger than the bound (an RL step's batch) decodes in the plain engine as if speculation were
-off; a few requests (serving, the tail of a step) decode speculatively. A call with a request whose
+off; a few requests at a time (serving) decode speculatively. A call with a request whose
 sampling settings the speculative path does not implement (top-k, top-p, min-p, repetition penalty,
 min_tokens) goes to the plain engine whatever the load.
 
