@@ -91,20 +91,12 @@ class MtpDrafter:
             raise ValueError(f"MTP positions past the cache's capacity of {cache.capacity}")
         ids, positions, offsets, token_pos = _packed(tokens, starts, device)
         token_slot = to_device(torch.tensor([s for s, t in zip(slots, tokens) for _ in t], dtype=torch.long), device)
-        text, mtp, layer = self.decoder.model.model, self.mtp, self.layer
-        embeds = text.embed_tokens(ids)
-        cos, sin = text.rotary(positions, embeds.dtype)
-        # MultiTokenPredictor.forward's depth, with the attention reading and writing the cache
-        x = torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(hidden[None])], dim=-1)
-        x = mtp.fc(x)
-        residual = x
-        x = layer.input_layernorm(x)
-        x = layer.self_attn.prefill(
-            x, cos, sin, offsets, cache.attention, token_slot, token_pos, list(zip(slots, starts))
-        )
-        x, residual = layer.post_attention_layernorm(x, residual=residual)
-        x, _ = layer.mlp(x)
-        return mtp.norm(x, residual=residual)[0][0]
+        chunks = list(zip(slots, starts))
+
+        def attend(x, cos, sin):
+            return self.layer.self_attn.prefill(x, cos, sin, offsets, cache.attention, token_slot, token_pos, chunks)
+
+        return self._depth(ids, positions, hidden[None], attend)[0]
 
     def step(
         self,
@@ -118,17 +110,25 @@ class MtpDrafter:
         """`forward` at one position per row, from device tensors and reading nothing back (a draft step):
         hidden [B, D], tokens, positions, slots [B] int64 (row b's input token, its position and slot),
         active [B] bool (inactive rows write nothing to the cache; their output is undefined). Returns [B, D]."""
+
+        def attend(x, cos, sin):
+            return self.layer.self_attn.step_positions(x, cos, sin, cache.attention, positions[:, None], active, slots)
+
+        return self._depth(tokens[:, None], positions[:, None], hidden[:, None], attend)[:, 0]
+
+    def _depth(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
+        """`MultiTokenPredictor.forward`'s depth (the same ops in the same order) with `attend(x, cos, sin)`, the
+        attention reading and writing the cache, in place of the layer's attention: ids, positions [B, T] and
+        hidden [B, T, D] -> the normed output [B, T, D]."""
         text, mtp, layer = self.decoder.model.model, self.mtp, self.layer
-        embeds = text.embed_tokens(tokens[:, None])  # [B, 1, D]
-        cos, sin = text.rotary(positions[:, None], embeds.dtype)
-        x = torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(hidden[:, None])], dim=-1)
-        x = mtp.fc(x)
-        residual = x
-        x = layer.input_layernorm(x)
-        x = layer.self_attn.step_positions(x, cos, sin, cache.attention, positions[:, None], active, slots)
-        x, residual = layer.post_attention_layernorm(x, residual=residual)
+        embeds = text.embed_tokens(ids)
+        cos, sin = text.rotary(positions, embeds.dtype)
+        residual = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+        x, residual = layer.post_attention_layernorm(
+            attend(layer.input_layernorm(residual), cos, sin), residual=residual
+        )
         x, _ = layer.mlp(x)
-        return mtp.norm(x, residual=residual)[0][:, 0]
+        return mtp.norm(x, residual=residual)[0]
 
 
 __all__ = ["MtpCache", "MtpDrafter"]
