@@ -323,15 +323,16 @@ class SpeculativeEngine:
         hidden, steps = self.decoder.verify(tokens, self.state, active)
         hidden = hidden[slot_rows]  # [N, K+1, D]
         logits = self.model.logits(hidden.flatten(0, 1)).float()  # request n's positions at n (K+1) ..
-        offsets = [n * (K + 1) for n in range(len(seqs))]
-        # [N, K+1] each request's verified rows (a request with k < K repeats its last one, never read)
-        at = [[offsets[n] + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
-        at = to_device(torch.tensor(at), dev)
-        j, y = accept_greedy(logits[at], drafted, ks_t)
+        # [N, K+1, VOCAB] each request's verified rows (a request with k < K repeats its last one, never read),
+        # and at its temperature (1 for greedy requests)
+        at = [[n * (K + 1) + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
+        target = logits[to_device(torch.tensor(at), dev)]
+        scaled = target / temps[:, None, None]
+        j, y = accept_greedy(target, drafted, ks_t)
         sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
         if sampled:
             rows = to_device(torch.tensor(sampled, dtype=torch.long), dev)
-            p = torch.softmax(logits[at[rows]] / temps[rows, None, None], -1)
+            p = torch.softmax(scaled[rows], -1)
             if q is None:  # no request drafted this round
                 q = p.new_zeros(len(seqs), K, p.shape[-1])
             js, ys = accept_drafts(p, q[rows], drafted[rows], ks_t[rows], u[rows, K : 2 * K], u[rows, 2 * K])
@@ -345,7 +346,7 @@ class SpeculativeEngine:
         # the target's log-prob of the token each verified position would emit (draft i before j, y at j)
         position = torch.arange(K + 1, device=dev)
         emit = torch.cat([drafted, y[:, None]], 1).gather(1, torch.where(position < j[:, None], position, K))
-        log_p = (logits[at] / temps[:, None, None]).log_softmax(-1).gather(-1, emit[..., None])[..., 0]
+        log_p = scaled.log_softmax(-1).gather(-1, emit[..., None])[..., 0]
         # the round's one read, in fp64 (token ids < 2**53 are exact): per request j, y, its drafts, log-probs
         read = torch.cat([j[:, None], y[:, None], drafted, log_p], 1).double().tolist()
         read = [[int(x) for x in row[: 2 + K]] + row[2 + K :] for row in read]
