@@ -1,8 +1,8 @@
 """Can exact mode's projections split K and stay batch-invariant? A prototype measured against the fixed-tile
 GEMM exact mode uses (`ops/linear/exact_kernel.py`) and cuBLAS.
 
-At a decode step's 256 rows a projection to N = 2048 outputs from K = 4096 has 2 x 32 output tiles of 128 x 64:
-half of an H100's SMs stay idle, and cuBLAS, which splits K there, takes about half the time. Splitting K is
+At a decode step's 256 rows a projection to N = 2048 outputs from K = 4096 has 2 x 32 output tiles of 128 x 64,
+fewer than a large GPU has SMs, where cuBLAS splits K (timings: docs/exact.md, results/). Splitting K is
 batch-invariant when the split is fixed (never chosen by the row count) and both paths sum the parts in one
 order: each part accumulates its K range from zero in BK steps, and the row's result is part 0 + part 1 + ...
 in that order. Two forms compute exactly that:
