@@ -239,8 +239,9 @@ class MoeRolloutAdapter(BaseRollout):
         held = [weakref.ref(x) for x in (self._engine, weights) if x is not None]
         del weights
         self._engine, self._model = None, None
-        # a full collection of a trainer process's heap takes ~0.3 s; it is needed only where a reference
-        # cycle still holds the model or the engine (and with them the weights, slots and graph pools)
+        # a full collection walks the trainer process's whole heap at every step (docs/rollout.md); it is
+        # needed only where a reference cycle still holds the model or the engine (and with them the weights,
+        # slots and graph pools)
         if any(ref() is not None for ref in held):
             gc.collect()
         if self._device().type != "cpu":
