@@ -173,13 +173,13 @@ class Attention(nn.Module):
     def step_positions(self, x, cos, sin, cache, positions, active, slots=None) -> torch.Tensor:
         """T tokens per row at `positions` [B, T] of its slot (speculative decoding): x [B, T, D]; row b's slot
         is slots[b] ([B] int64 on the device; default b). Each token's k / v go to the cache at its position
-        (active rows), and each attends to its slot's positions up to its own (`attention_decode` over B * T
-        rows, a slot per row). Returns [B, T, D]."""
+        where `active` ([B] per row, or [B, T] per token) holds, and each attends to its slot's positions up
+        to its own (`attention_decode` over B * T rows, a slot per row). Returns [B, T, D]."""
         B, T = positions.shape
         q, k, v, gate = self.project(x, cos, sin)  # [B, T, H | HKV, K]
         rows = (torch.arange(B, device=x.device) if slots is None else slots)[:, None].expand(B, T)
         at = positions.clamp(max=cache.k.shape[2] - 1)
-        keep = active[:, None, None, None]
+        keep = (active if active.dim() == 2 else active[:, None])[:, :, None, None]
         cache.k[rows, :, at] = torch.where(keep, k, cache.k[rows, :, at])
         cache.v[rows, :, at] = torch.where(keep, v, cache.v[rows, :, at])
         o = self.ops.attention_decode(

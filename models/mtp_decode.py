@@ -5,8 +5,9 @@ forward over slots (the main model over several new tokens per slot, with every 
 - `MtpDrafter`: the MTP module's depth-1 step over slots. Its layer is a full-attention decoder layer, so its
   decode state is one KV cache [S, HKV, L, K] (`AttentionCache`). Position s of a slot holds the layer's
   keys and values for the input (main hidden state at s, embedding of token s+1), as the trainer's
-  `MoeCausalLM.mtp_hidden_states` computes them; `forward` writes the given positions and returns the
-  layer's normed output there (its logits predict token s+2).
+  `MoeCausalLM.mtp_hidden_states` computes them; `forward` (packed chunks, a prompt) and `step` (fixed-shape
+  rows of device tensors, a speculative round) write the given positions and return the layer's normed
+  output there (its logits predict token s+2).
 """
 
 from __future__ import annotations
@@ -107,14 +108,15 @@ class MtpDrafter:
         slots: torch.Tensor,
         active: torch.Tensor,
     ) -> torch.Tensor:
-        """`forward` at one position per row, from device tensors and reading nothing back (a draft step):
-        hidden [B, D], tokens, positions, slots [B] int64 (row b's input token, its position and slot),
-        active [B] bool (inactive rows write nothing to the cache; their output is undefined). Returns [B, D]."""
+        """`forward` at T positions per row, from device tensors and reading nothing back (a speculative round's
+        catch-up, T = k + 1, and its draft steps, T = 1): hidden [B, T, D], tokens, positions [B, T] int64 (row
+        b's inputs and their positions, in order), slots [B] int64 (row b's slot), active [B] or [B, T] bool
+        (what is not active writes nothing to the cache; its output is undefined). Returns [B, T, D]."""
 
         def attend(x, cos, sin):
-            return self.layer.self_attn.step_positions(x, cos, sin, cache.attention, positions[:, None], active, slots)
+            return self.layer.self_attn.step_positions(x, cos, sin, cache.attention, positions, active, slots)
 
-        return self._depth(tokens[:, None], positions[:, None], hidden[:, None], attend)[:, 0]
+        return self._depth(tokens, positions, hidden, attend)
 
     def _depth(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
         """`MultiTokenPredictor.forward`'s depth (the same ops in the same order) with `attend(x, cos, sin)`, the

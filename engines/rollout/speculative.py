@@ -57,6 +57,7 @@ from ...ops.device import to_device
 from ...ops.sampling import inverse_cdf
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
+from .graphs import DeviceGraphs
 from .sampling import SamplingParams, stream_seed
 
 
@@ -120,15 +121,49 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish: str | None = None
-    # what the MTP layer has not seen yet: per position from `mtp_start` on, the main hidden state there and
-    # the token after it (its last entry: the token sampled last, which the main model consumes next)
-    pending_hidden: torch.Tensor | None = None
-    pending_tokens: list[int] = field(default_factory=list)
-    mtp_start: int = 0
     # over the request's rounds with drafts: draft tokens proposed, kept, and those rounds
     drafted: int = 0
     accepted: int = 0
     verified: int = 0
+
+
+@dataclass
+class _SlotInputs:
+    """What a round reads and carries over per slot, on the device, in slot order: a round is a function of
+    these, the slots' states and the MTP cache only (fixed shapes for a slot count and k)."""
+
+    control: torch.Tensor  # [3, S] int64, written by the host each round: drafts k, active (0/1), draws used
+    streams: torch.Tensor  # [S] int64, the request's uniforms key (0 for a greedy request)
+    temps: torch.Tensor  # [S] fp32, its temperature (1 for a greedy request)
+    greedy: torch.Tensor  # [S] bool
+    # what the MTP layer has not consumed yet, per position from `mtp_start` on (at most k + 1): the main
+    # model's hidden state there and the token after it (the last: the token sampled last, the main model's next)
+    pending_hidden: torch.Tensor  # [S, K+1, D] model dtype
+    pending_tokens: torch.Tensor  # [S, K+1] int64
+    pending: torch.Tensor  # [S] int64, how many
+    mtp_start: torch.Tensor  # [S] int64
+
+    @staticmethod
+    def allocate(slots: int, k: int, hidden_size: int, dtype: torch.dtype, device) -> _SlotInputs:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return _SlotInputs(
+            zeros(3, slots), zeros(slots), zeros(slots, dtype=torch.float32), zeros(slots, dtype=torch.bool),
+            zeros(slots, k + 1, hidden_size, dtype=dtype), zeros(slots, k + 1), zeros(slots), zeros(slots),
+        )  # fmt: skip
+
+    def grown(self, slots: int) -> _SlotInputs:
+        """A copy with `slots` slots, the current ones kept."""
+        out = []
+        for t in vars(self).values():
+            dim = 1 if t is self.control else 0
+            shape = list(t.shape)
+            shape[dim] = slots
+            new = t.new_zeros(shape)
+            new.narrow(dim, 0, t.shape[dim]).copy_(t)
+            out.append(new)
+        return _SlotInputs(*out)
 
 
 @dataclass
@@ -179,6 +214,8 @@ class SpeculativeEngine:
             `GenerationEngine` keys its streams).
         max_positions: the longest prompt accepted (the model's max_position_embeddings), None: any.
         max_num_seqs: slots at most (requests running at once), None: no limit.
+        device_graphs: run each round (after the prompts' prefill) as a captured device graph per slot
+            bucket (`graphs.DeviceGraphs`); None: on cuda in bf16 / fp32 (as `GenerationEngine`).
     Raises:
         ValueError: a model without MTP layers, k < 1 or max_num_seqs < 1.
     """
@@ -192,6 +229,7 @@ class SpeculativeEngine:
         weights_version: int = 0,
         max_positions: int | None = None,
         max_num_seqs: int | None = None,
+        device_graphs: bool | None = None,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -211,6 +249,10 @@ class SpeculativeEngine:
         self._seqs: list[_Seq | None] = []
         self.state: SlotState | None = None
         self.mtp_cache: MtpCache | None = None
+        self.inputs: _SlotInputs | None = None
+        if device_graphs is None:  # as GenerationEngine's default
+            device_graphs = self.decoder.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
+        self.graphs = DeviceGraphs(self.decoder.device) if device_graphs else None
 
     @property
     def num_running(self) -> int:
@@ -235,19 +277,33 @@ class SpeculativeEngine:
             return []
         self._check(requests)
         slots = self._take_slots(requests)
-        self.state.lengths[to_device(torch.tensor(slots, dtype=torch.long), self.decoder.device)] = 0
+        dev, prompts = self.decoder.device, [list(r.prompt_ids) for r in requests]
+        slot_rows = to_device(torch.tensor(slots, dtype=torch.long), dev)
+        self.state.lengths[slot_rows] = 0
         seqs = [_Seq(r, i, self._stream(r)) for r, i in zip(requests, slots)]
-        hidden = self.decoder.extend([list(r.prompt_ids) for r in requests], self.state, slots)
-        ends = torch.tensor([len(r.prompt_ids) for r in requests]).cumsum(0) - 1
-        logits = self.model.logits(hidden[ends.to(hidden.device)])
-        first = list(zip(*(t.tolist() for t in self._first_tokens(logits, seqs))))
-        for n, s in enumerate(seqs):
+        hidden = self.decoder.extend(prompts, self.state, slots)
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        last_hidden = hidden[to_device(ends, dev)]
+        x, lp = self._first_tokens(self.model.logits(last_hidden), seqs)
+        # the MTP layer consumes each prompt but its last position now (position s: hidden state at s, token
+        # s + 1); the last, with the first token, is the first round's to consume
+        longer = [n for n, p in enumerate(prompts) if len(p) > 1]
+        if longer:
+            begins = [int(ends[n]) + 1 - len(prompts[n]) for n in longer]
+            self.drafter.forward(
+                torch.cat([hidden[b : int(ends[n])] for b, n in zip(begins, longer)]),
+                [prompts[n][1:] for n in longer], self.mtp_cache, [slots[n] for n in longer], [0] * len(longer),
+            )  # fmt: skip
+        b = self.inputs
+        b.pending_hidden[slot_rows, 0] = last_hidden
+        b.pending_tokens[slot_rows, 0] = x
+        b.pending[slot_rows] = 1
+        b.mtp_start[slot_rows] = to_device(torch.tensor([len(p) - 1 for p in prompts]), dev)
+        b.streams[slot_rows] = to_device(torch.tensor([s.stream or 0 for s in seqs], dtype=torch.int64), dev)
+        b.temps[slot_rows], b.greedy[slot_rows] = self._temperatures(seqs)
+        for s, x_n, lp_n in zip(seqs, x.tolist(), lp.tolist()):
             self._seqs[s.slot] = s
-            x, lp = first[n]
-            begin = int(ends[n]) + 1 - len(s.request.prompt_ids)
-            s.pending_hidden = hidden[begin : int(ends[n]) + 1]
-            s.pending_tokens = list(s.request.prompt_ids[1:]) + [x]
-            self._emit(s, [x], [lp])
+            self._emit(s, [x_n], [lp_n])
         return self._collect(slots)
 
     def step(self, steps: int = 1) -> list[Completion]:
@@ -298,135 +354,122 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def _round(self) -> list[Completion]:
-        """One round for every running request: draft, verify, accept, commit. Returns those that finished."""
+        """One round for every running request: draft, verify, accept, commit (`_round_on_device`, over the
+        slots up to the highest running one), then the round's one read. Returns those that finished."""
         seqs = [s for s in self._seqs if s is not None]
         if not seqs:
             return []
+        K = self.k
+        rows = 1 << max(s.slot for s in seqs).bit_length()  # a power of two above the highest running slot
+        rows = min(rows, len(self._seqs))
+        ks = [min(K, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
+        control = torch.zeros(3, rows, dtype=torch.int64)
+        for s, k in zip(seqs, ks):
+            control[:, s.slot] = torch.tensor([k, 1, s.draws])
+        self.inputs.control[:, :rows].copy_(to_device(control, self.decoder.device))
+        # per slot: j, the round's last token, the drafts, the emitted tokens' log-probs; fp64 holds token ids exactly
+        if self.graphs is None:
+            read = self._round_on_device(rows)
+        else:
+            shapes = tuple(tuple(t.shape) for cache in self.state.layers for t in vars(cache).values())
+            signature = ("round", rows, K, self.decoder.dtype, shapes, tuple(self.mtp_cache.attention.k.shape))
+            read = self.graphs.run(rows, lambda: self._round_on_device(rows), self.inputs.control[1], signature)
+        read = read.tolist()
         self.last_round = {}
-        ks = [min(self.k, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
-        K, dev = self.k, self.decoder.device
-        u = self._uniforms(seqs, 2 * K + 1)  # [N, 2K+1]: k draft draws, k acceptance numbers, the last draw
-        slots = [s.slot for s in seqs]
-        slot_rows, last, ks_t = to_device(torch.tensor([slots, [s.pending_tokens[-1] for s in seqs], ks]), dev)
-        temps, greedy = self._temperatures(seqs)
-        drafted, q = self._draft(seqs, ks, ks_t, slot_rows, temps, greedy, u[:, :K])
-        # the verification: over every slot at once, each running one's last token then its drafts (a request
-        # with fewer than K repeats its last one: positions after its k + 1 are never kept), idle slots inactive
-        S = len(self._seqs)
-        active = torch.zeros(S, dtype=torch.bool)
-        active[slots] = True
-        active = to_device(active, dev)
-        chunks = torch.cat([last[:, None], drafted], 1).gather(
-            1, torch.arange(K + 1, device=dev).minimum(ks_t[:, None])
-        )
-        tokens = torch.zeros(S, K + 1, dtype=torch.long, device=dev).index_put((slot_rows,), chunks)
-        hidden, steps = self.decoder.verify(tokens, self.state, active)
-        hidden = hidden[slot_rows]  # [N, K+1, D]
-        logits = self.model.logits(hidden.flatten(0, 1)).float()  # request n's positions at n (K+1) ..
-        # [N, K+1, VOCAB] each request's verified rows (a request with k < K repeats its last one, never read),
-        # and at its temperature (1 for greedy requests)
-        at = [[n * (K + 1) + min(i, ks[n]) for i in range(K + 1)] for n in range(len(seqs))]
-        target = logits[to_device(torch.tensor(at), dev)]
-        scaled = target / temps[:, None, None]
-        j, y = accept_greedy(target, drafted, ks_t)
-        sampled = [n for n, s in enumerate(seqs) if s.stream is not None]
-        if sampled:
-            rows = to_device(torch.tensor(sampled, dtype=torch.long), dev)
-            p = torch.softmax(scaled[rows], -1)
-            if q is None:  # no request drafted this round
-                q = p.new_zeros(len(seqs), K, p.shape[-1])
-            js, ys = accept_drafts(p, q[rows], drafted[rows], ks_t[rows], u[rows, K : 2 * K], u[rows, 2 * K])
-            j, y = j.index_put((rows,), js), y.index_put((rows,), ys)
-        for s in seqs:
+        for s, k in zip(seqs, ks):
+            row = read[s.slot]
+            j = int(row[0])
+            emitted = [int(t) for t in row[2 : 2 + j]] + [int(row[1])]
             if s.stream is not None:
                 s.draws += 2 * K + 1
-        # commit the kept positions (j + 1 per request) into the slots, then the round's one read
-        kept = torch.zeros(S, dtype=torch.long, device=dev).index_put((slot_rows,), j + 1)
-        self.decoder.commit(steps, kept, self.state, active)
-        # the target's log-prob of the token each verified position would emit (draft i before j, y at j)
-        position = torch.arange(K + 1, device=dev)
-        emit = torch.cat([drafted, y[:, None]], 1).gather(1, torch.where(position < j[:, None], position, K))
-        log_p = scaled.log_softmax(-1).gather(-1, emit[..., None])[..., 0]
-        # the round's one read, in fp64 (token ids < 2**53 are exact): per request j, y, its drafts, log-probs
-        read = torch.cat([j[:, None], y[:, None], drafted, log_p], 1).double().tolist()
-        read = [[int(x) for x in row[: 2 + K]] + row[2 + K :] for row in read]
-        for n, s in enumerate(seqs):
-            j = read[n][0]
-            if j < ks[n]:
+            if j < k:
                 self.stats.rejected += 1
             elif j > 0:
                 self.stats.all_kept += 1
-            self.stats.drafted += ks[n]
+            self.stats.drafted += k
             self.stats.accepted += j
-            s.drafted, s.accepted, s.verified = s.drafted + ks[n], s.accepted + j, s.verified + (ks[n] > 0)
-            self.last_round[s.request.request_id] = (ks[n], j)
-        emitted = [row[2 : 2 + row[0]] + [row[1]] for row in read]
-        log_probs = [row[2 + K : 3 + K + row[0]] for row in read]
-        for n, s in enumerate(seqs):
-            kept_hidden = hidden[n, : len(emitted[n])]
-            if ks[n] > 0:  # the MTP layer consumed the pending positions while drafting
-                s.pending_hidden, s.pending_tokens = kept_hidden, emitted[n]
-            else:
-                s.pending_hidden = torch.cat([s.pending_hidden, kept_hidden])
-                s.pending_tokens = s.pending_tokens + emitted[n]
-            self._emit(s, emitted[n], log_probs[n])
+            s.drafted, s.accepted, s.verified = s.drafted + k, s.accepted + j, s.verified + (k > 0)
+            self.last_round[s.request.request_id] = (k, j)
+            self._emit(s, emitted, row[2 + K : 3 + K + j])
         self.stats.rounds += 1
-        return self._collect(slots)
+        return self._collect([s.slot for s in seqs])
 
-    # ---- rounds ----------------------------------------------------------------------------------
+    def _round_on_device(self, rows: int) -> torch.Tensor:
+        """The round over slots [0, rows) from `self.inputs` (its control rows written), on the device and
+        reading nothing back: returns [rows, 2 + K + K + 1] fp64, per slot j (drafts kept), the round's last
+        token, the K drafts and the log-probs of the K + 1 tokens the verified positions emit (the first j + 1
+        are the round's); advances the slots, the MTP cache and the pending positions of the active slots."""
+        K, b, dev = self.k, self.inputs, self.decoder.device
+        active = b.control[1, :rows] > 0  # all false while a graph captures: the round then changes nothing
+        ks, draws = torch.where(active, b.control[0, :rows], 0), b.control[2, :rows]
+        temps, greedy = torch.where(active, b.temps[:rows], 1.0), b.greedy[:rows]
+        # each request's numbers draws .. draws + 2K of its stream: k draft draws, k acceptance numbers, the last
+        index = draws[:, None] + torch.arange(2 * K + 1, device=dev)
+        u = self.uniforms(b.streams[:rows, None].expand_as(index).reshape(-1), index.reshape(-1)).view(rows, -1)
+        drafted, q = self._draft(rows, ks, active, temps, greedy, u[:, :K])
+        # the verification: each slot's last token then its drafts (zeros past its k: positions after its
+        # k + 1 are never kept nor read)
+        pending, count = b.pending_tokens[:rows], b.pending[:rows]
+        last = pending.gather(1, (count - 1).clamp(min=0)[:, None])
+        hidden, steps = self.decoder.verify(torch.cat([last, drafted], 1), self.state, active)
+        target = self.model.logits(hidden.flatten(0, 1)).float().view(rows, K + 1, -1)
+        scaled = target / temps[:, None, None]
+        j, y = accept_greedy(target, drafted, ks)
+        js, ys = accept_drafts(torch.softmax(scaled, -1), q, drafted, ks, u[:, K : 2 * K], u[:, 2 * K])
+        j, y = torch.where(greedy, j, js), torch.where(greedy, y, ys)
+        self.decoder.commit(steps, torch.where(active, j + 1, 0), self.state, active)
+        # the token each verified position emits (draft i before j, y at j) and the target's log-prob of it
+        position = torch.arange(K + 1, device=dev)
+        emit = torch.cat([drafted, y[:, None]], 1).gather(1, torch.where(position < j[:, None], position, K))
+        log_p = scaled.log_softmax(-1).gather(-1, emit[..., None])[..., 0]
+        # the next round's catch-up: the j + 1 kept positions, their hidden states and the tokens after them
+        b.pending_hidden[:rows] = torch.where(active[:, None, None], hidden, b.pending_hidden[:rows])
+        b.pending_tokens[:rows] = torch.where(active[:, None], emit, pending)
+        b.pending[:rows] = torch.where(active, j + 1, count)
+        return torch.cat([j[:, None], y[:, None], drafted, log_p], 1).double()
 
     def _draft(
         self,
-        seqs: list[_Seq],
-        ks: list[int],
-        ks_t: torch.Tensor,
-        slots: torch.Tensor,
+        rows: int,
+        ks: torch.Tensor,
+        active: torch.Tensor,
         temps: torch.Tensor,
         greedy: torch.Tensor,
         u: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Up to ks[n] draft tokens per request, drawn with the uniforms u [N, K], on the device and read by nobody
-        here: [N, K] int64 (0 past ks[n]) and their draft distributions q [N, K, VOCAB] fp32 (zero past ks[n] and
-        for greedy requests; None when no request drafts). ks_t, slots, temps, greedy: ks, the requests' slots,
-        `_temperatures` on the device. The MTP layer's catch-up over the pending positions (packed, as many as
-        each request has), then each further draft as one position of every request at once (`MtpDrafter.step`;
-        rows past their k inactive)."""
-        dev, K = self.decoder.device, self.k
-        drafted = torch.zeros(len(seqs), K, dtype=torch.int64, device=dev)
-        rows = [n for n, k in enumerate(ks) if k > 0]
-        if not rows:
-            return drafted, None
-        sub = [seqs[n] for n in rows]
-        out = self.drafter.forward(
-            torch.cat([s.pending_hidden for s in sub]),
-            [s.pending_tokens for s in sub],
-            self.mtp_cache,
-            [s.slot for s in sub],
-            [s.mtp_start for s in sub],
-        )
-        ends = torch.tensor([len(s.pending_tokens) for s in sub]).cumsum(0) - 1
-        for s in sub:
-            s.mtp_start += len(s.pending_tokens)
-        # per request: the output at its last consumed position (zeros for one that does not draft), and the
-        # position its next draft step writes
-        g = out.new_zeros(len(seqs), out.shape[-1]).index_put(
-            (to_device(torch.tensor(rows), dev),), out[to_device(ends, dev)]
-        )
-        positions = to_device(torch.tensor([s.mtp_start for s in seqs]), dev)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ks[n] draft tokens per slot of [0, rows), drawn with the uniforms u [rows, K]: [rows, K] int64
+        (0 past ks[n]) and their draft distributions q [rows, K, VOCAB] fp32 (zero past ks[n] and for greedy
+        requests). The MTP layer's catch-up over each slot's pending positions (K + 1 per slot, those past its
+        count write nothing), then each further draft as one position of every slot (rows past their k write
+        nothing)."""
+        K, b, dev = self.k, self.inputs, self.decoder.device
+        count, start = b.pending[:rows], b.mtp_start[:rows]
+        slots, position = torch.arange(rows, device=dev), torch.arange(K + 1, device=dev)
+        consumed = active[:, None] & (position < count[:, None])
+        out = self.drafter.step(
+            b.pending_hidden[:rows], b.pending_tokens[:rows], start[:, None] + position, self.mtp_cache, slots,
+            consumed,
+        )  # fmt: skip
+        g = out[slots, (count - 1).clamp(min=0)]  # the output at each slot's last consumed position
+        start = start + count  # the position each slot's next draft step writes
+        b.mtp_start[:rows] = torch.where(active, start, b.mtp_start[:rows])
+        drafted = torch.zeros(rows, K, dtype=torch.int64, device=dev)
         q_all = None
-        for i in range(max(ks)):
+        for i in range(K):
             logits = self.model.logits(g).float()
             q = torch.softmax(logits / temps[:, None], -1)
             tokens = torch.where(greedy, logits.argmax(-1), inverse_cdf(q, u[:, i]))
-            live = ks_t > i
+            live = ks > i
             if q_all is None:
-                q_all = q.new_zeros(len(seqs), K, q.shape[-1])
+                q_all = q.new_zeros(rows, K, q.shape[-1])
             q_all[:, i] = torch.where((greedy | ~live)[:, None], 0.0, q)
             drafted[:, i] = torch.where(live, tokens, 0)
-            if i + 1 < max(ks):
+            if i + 1 < K:
                 # the layer's output at s stands in for the main hidden state at s + 1 (speculative positions,
                 # written again by the next round's catch-up)
-                g = self.drafter.step(g, tokens, positions + i, self.mtp_cache, slots, ks_t > i + 1)
+                g = self.drafter.step(
+                    g[:, None], tokens[:, None], (start + i)[:, None], self.mtp_cache, slots, (ks > i + 1)[:, None]
+                )[:, 0]
         return drafted, q_all
 
     def _temperatures(self, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -514,6 +557,8 @@ class SpeculativeEngine:
         if self.state is None:
             self.state = self.decoder.allocate(slots, need)
             self.mtp_cache = self.drafter.allocate(slots, need)
+            arch = self.model.arch
+            self.inputs = _SlotInputs.allocate(slots, self.k, arch.hidden_size, self.decoder.dtype, self.decoder.device)
         elif slots > self.state.num_slots or need > self.mtp_cache.capacity:
             slots = max(slots, self.state.num_slots)
             capacity = max(need, self.mtp_cache.capacity)
@@ -523,6 +568,9 @@ class SpeculativeEngine:
             for new, t in ((grown.attention.k, old.k), (grown.attention.v, old.v)):
                 new[: t.shape[0], :, : t.shape[2]] = t
             self.mtp_cache = grown
+            self.inputs = self.inputs.grown(slots)
+            if self.graphs is not None:  # they read the old tensors
+                self.graphs.clear()
         self._seqs += [None] * max(0, slots - len(self._seqs))
 
     def _check(self, requests: Sequence[Request]) -> None:

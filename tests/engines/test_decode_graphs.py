@@ -118,3 +118,67 @@ def test_engine_captures_again_after_requests_trickle_in():
     eager = run(False)
     assert len(eager) == sum(len(w) for w in waves)
     assert run(True) == eager
+
+
+def test_fresh_engine_captures_without_warm_up_and_equals_eager():
+    """A fresh engine per RL step (verl's `free_cache_engine`): the second engine in the process captures the
+    shapes the first one warmed up without an eager step; its tokens and log-probs equal the first engine's and
+    the eager engine's bitwise."""
+    from verl_moe.engines.rollout import graphs as graphs_module
+    from verl_moe.engines.rollout.engine import GenerationEngine, Request
+    from verl_moe.engines.rollout.sampling import SamplingParams
+
+    model = _model(torch.bfloat16)
+    params = SamplingParams(max_tokens=10, temperature=1.0, logprobs=True, seed=5)
+    requests = [Request(f"f{i}", [3 + i, 5, 7 + 2 * i][: 1 + i % 3], params) for i in range(6)]
+
+    def run(graphs):
+        engine = GenerationEngine(model, [], seed=1, max_num_seqs=8, device_graphs=graphs)
+        done = engine.add(requests)
+        while engine.num_running:
+            done += engine.step(3)
+        return {c.request_id: (c.token_ids, c.log_probs) for c in done}
+
+    first = run(True)
+    warmed = set(graphs_module._WARMED)
+    assert warmed
+    second = run(True)
+    assert graphs_module._WARMED == warmed  # the second engine met only shapes the first had warmed up
+    assert first == second == run(False)
+
+
+def test_speculative_rounds_as_graphs_equal_eager_rounds():
+    """Speculative rounds (MTP catch-up, drafts, verification, acceptance, commit) captured per slot bucket vs
+    run eagerly, greedy and sampled requests mixed, arriving in two waves (slots grow, buckets change): tokens
+    and log-probs bitwise equal, and the acceptance counts the same."""
+    from verl_moe.engines.rollout.engine import Request
+    from verl_moe.engines.rollout.sampling import SamplingParams
+    from verl_moe.engines.rollout.speculative import SpeculativeEngine
+
+    torch.manual_seed(0)
+    model = vm.build(tiny_qwen3_5_moe_text(mtp_num_hidden_layers=1))
+    randomize_norms(model)
+    model = model.to("cuda", torch.bfloat16).eval()
+
+    def params(i):
+        return SamplingParams(max_tokens=6 + i % 7, temperature=0.0 if i % 3 == 0 else 1.0, logprobs=True, seed=i)
+
+    waves = [
+        [Request(f"s{w}-{i}", [1 + w, 2 + i, 3 + i % 4][: 1 + i % 3], params(i)) for i in range(n)]
+        for w, n in enumerate((3, 6))
+    ]
+
+    def run(graphs):
+        engine = SpeculativeEngine(model, [], num_draft_tokens=3, device_graphs=graphs)
+        done = []
+        for wave in waves:
+            done += engine.add(wave) + engine.step(2)
+        while engine.num_running:
+            done += engine.step(2)
+        if graphs:
+            assert len(engine.graphs.graphs) >= 1
+        return {c.request_id: (c.token_ids, c.log_probs) for c in done}, (engine.stats.drafted, engine.stats.accepted)
+
+    eager = run(False)
+    assert len(eager[0]) == 9
+    assert run(True) == eager

@@ -290,7 +290,7 @@ def test_state_keeps_only_accepted_tokens(model, temperature, k):
                     assert _close(ours.k[s.slot, :, :n], ref.k[0, :, :n])
                     assert _close(ours.v[s.slot, :, :n], ref.v[0, :, :n])
             # the MTP layer has seen the positions before this round's last kept one
-            n = s.mtp_start
+            n = int(engine.inputs.mtp_start[s.slot])
             mtp = _mtp_cache(model, consumed, n)
             assert _close(engine.mtp_cache.attention.k[s.slot, :, :n], mtp.k[0, :, :n])
     assert outcomes["rejected"] and outcomes["all kept"], outcomes

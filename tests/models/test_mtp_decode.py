@@ -68,15 +68,44 @@ def test_step_equals_forward_at_one_position(model):
     before = cache.attention.k.clone()
     active = torch.tensor([True, True, False])
     out = drafter.step(
-        torch.stack([hidden[n, s] for n, s in enumerate(starts)]),
-        torch.stack([tokens[n, s] for n, s in enumerate(starts)]),
-        torch.tensor(starts), cache, torch.tensor(slots), active,
-    )  # fmt: skip
+        torch.stack([hidden[n, s] for n, s in enumerate(starts)])[:, None],
+        torch.stack([tokens[n, s] for n, s in enumerate(starts)])[:, None],
+        torch.tensor(starts)[:, None], cache, torch.tensor(slots), active,
+    )[:, 0]  # fmt: skip
     assert (out[:2] - want[:2]).abs().max() <= TOL
     for n in range(2):
         got, ref_k = cache.attention.k[slots[n], :, : starts[n] + 1], ref.attention.k[slots[n], :, : starts[n] + 1]
         assert (got - ref_k).abs().max() <= TOL
     assert torch.equal(cache.attention.k[slots[2]], before[slots[2]])
+
+
+def test_step_over_several_positions_equals_forward(model):
+    """`MtpDrafter.step` over T positions per row with a per-position mask (a speculative round's catch-up: row n
+    consumes its first counts[n] positions) gives `forward`'s output and cache entries at every consumed
+    position, and writes nothing at the masked ones."""
+    gen = torch.Generator().manual_seed(3)
+    drafter = MtpDrafter(MoeDecoder(model))
+    T, D = 4, model.arch.hidden_size
+    hidden = torch.randn(3, 9 + T, D, generator=gen)
+    tokens = torch.randint(1, 128, (3, 9 + T), generator=gen)
+    cache, ref = drafter.allocate(4, 16), drafter.allocate(4, 16)
+    slots, starts, counts = [3, 1, 0], [2, 9, 5], [4, 1, 2]
+    for c in (cache, ref):
+        drafter.forward(torch.cat([hidden[n, :s] for n, s in enumerate(starts)]),
+                        [tokens[n, :s].tolist() for n, s in enumerate(starts)], c, slots, [0, 0, 0])  # fmt: skip
+    want = drafter.forward(
+        torch.cat([hidden[n, s : s + c] for n, (s, c) in enumerate(zip(starts, counts))]),
+        [tokens[n, s : s + c].tolist() for n, (s, c) in enumerate(zip(starts, counts))], ref, slots, starts,
+    )  # fmt: skip
+    before = cache.attention.k.clone()
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)
+    active = torch.arange(T)[None] < torch.tensor(counts)[:, None]
+    rows = torch.arange(3)[:, None]
+    out = drafter.step(hidden[rows, positions], tokens[rows, positions], positions, cache, torch.tensor(slots), active)
+    assert (out[active] - want).abs().max() <= TOL
+    for n, (slot, s, c) in enumerate(zip(slots, starts, counts)):
+        assert (cache.attention.k[slot, :, : s + c] - ref.attention.k[slot, :, : s + c]).abs().max() <= TOL
+        assert torch.equal(cache.attention.k[slot, :, s + c :], before[slot, :, s + c :])
 
 
 def test_drafter_needs_mtp_layers():
