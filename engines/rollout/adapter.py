@@ -16,7 +16,7 @@ with, so the step's requests, arriving one by one, take slots without growing th
 Without `free_cache_engine` the engine, its slots and its captured graphs live across steps.
 
 With `engine_kwargs.verl_moe.speculative_tokens` k > 0 (or verl's `model.mtp.enable_rollout`) a
-`SpeculativeEngine` (the model's MTP layer drafts k tokens per round, eager) serves the calls that leave at
+`SpeculativeEngine` (the model's MTP layer drafts k tokens per round) serves the calls that leave at
 most `max_speculative` requests running and `GenerationEngine` the others (`routing.py`); every call here
 works on either.
 """
@@ -175,10 +175,11 @@ class MoeRolloutAdapter(BaseRollout):
                     seed=self.config.seed,
                     max_positions=self.max_positions,
                     max_num_seqs=self.config.max_num_seqs,
+                    device_graphs=False if self.config.enforce_eager else self.options.device_graphs,
                 )
                 self._engine = SpeculativeWhereItPays(speculative, self._engine, self.options.max_speculative)
                 logger.info(
-                    "verl_moe rollout replica %d: speculative decoding (MTP layer, eager), %d draft tokens per "
+                    "verl_moe rollout replica %d: speculative decoding (MTP layer), %d draft tokens per "
                     "round, for calls that leave at most %d requests running",
                     self.replica_rank,
                     speculative.k,

@@ -40,11 +40,11 @@ class RolloutOptions:
     device_graphs: run each decode step as one captured device graph (cuda / npu); None: for a bf16 or
         fp32 rollout on cuda, unless the rollout config's `enforce_eager` (npu: not run, opt in with true).
     speculative_tokens: k > 0 decodes with the model's MTP layer drafting k tokens per round, verified by
-        the model (`speculative.py::SpeculativeEngine`: eager, temperature and greedy sampling only); 0: off.
+        the model (`speculative.py::SpeculativeEngine`: temperature and greedy sampling only); 0: off.
         verl's `actor_rollout_ref.model.mtp.enable_rollout=true` (with `mtp.enable`) sets it to
         `mtp.num_speculative_tokens` (see `from_rollout_config`).
     max_speculative: with speculative_tokens, an engine call's new requests decode speculatively when at
-        most this many requests run with them, else in the plain engine (device_graphs applies to it;
+        most this many requests run with them, else in the plain engine (device_graphs applies to both;
         `routing.py`); 0: never speculate, max_num_seqs or more: always.
     """
 

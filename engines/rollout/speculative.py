@@ -1,19 +1,21 @@
-"""Speculative decoding with Qwen3.5's MTP layer: a separate, eager decoding path beside `GenerationEngine`.
+"""Speculative decoding with Qwen3.5's MTP layer: a decoding path beside `GenerationEngine`.
 
-Each round, for every running request (slot), batched over the requests:
+Each round, for every running request (slot), batched over the slots up to the highest running one:
 
 1. draft: the MTP layer (`models/mtp_decode.py::MtpDrafter`, its own KV cache) first catches up on the
-   positions the main model consumed since the last round (main hidden state at s, token s+1), whose last
-   output, through the shared lm_head, drafts d_1; its output at the draft's position and d_1's embedding
+   positions the main model consumed since the last round (main hidden state at s, token s+1: up to k + 1
+   per slot; a prompt's are consumed when the request is admitted, but its last), whose last output,
+   through the shared lm_head, drafts d_1; its output at the draft's position and d_1's embedding
    draft d_2, and so on up to k tokens (fewer near max_tokens). Draft tokens are drawn from the MTP
    layer's distribution q at the request's temperature (argmax for greedy requests), each draft step for
    all requests at once on the device (`MtpDrafter.step`, nothing read back): q = softmax(logits / T) in
    fp32 and the token by inverse CDF (`ops.sampling.inverse_cdf`) at one of the request's uniforms;
 2. verify: one pass of the main model over K + 1 positions of every slot (the token sampled last, then the
-   drafts, padded to K; `MoeDecoder.verify`: one-token steps' kernels over several positions, the shapes
+   drafts, padded to K with zeros; `MoeDecoder.verify`: one-token steps' kernels over several positions, the shapes
    fixed by the slot count and K, nothing read back) gives the target distributions p_0 .. p_k and leaves
    the slots' GatedDeltaNet states as they were;
-3. accept (`accept_drafts`, batched over the sampled requests on the device): d_i is kept when
+3. accept (`accept_drafts` for sampled requests, `accept_greedy` for greedy ones, both over every slot on
+   the device, each slot taking its own): d_i is kept when
    u_i q(d_i) < p(d_i), with probability min(1, p(d_i) / q(d_i)); j, the number of leading kept drafts
    (at most the request's k); the round's last token is drawn from normalize(max(0, p_j - q_{j+1})), q
    taken as 0 at j = k, which gives the bonus token from p_k (p_j itself when the residual sums to 0). So
@@ -25,6 +27,12 @@ Each round, for every running request (slot), batched over the requests:
    through its j + 1 kept positions again from the inputs the verification recorded, and its length grows
    by j + 1 (the attention caches hold the verified positions already; those past a slot's length are
    never read), so the state holds the accepted tokens only.
+
+The round is one device function of per-slot buffers (`_SlotInputs`: the control rows the host writes each
+round, the requests' sampling keys, the pending positions; `_round_on_device`) with shapes fixed by the slot
+bucket and k, so on cuda (bf16 / fp32, unless `device_graphs=False`) it is captured once per bucket as a
+device graph (`graphs.DeviceGraphs`) and replayed: a round costs one small copy to the device, one replay
+and one read.
 
 Every random number of a request comes from its own counter-based stream (`ops.sampling.uniforms`,
 resolved as the op `sampling.uniforms`: fp64 in [0, 1), computed on the device), keyed by its `seed` or,
@@ -55,61 +63,11 @@ from ...models.mtp_decode import MtpCache, MtpDrafter
 from ...ops import resolve
 from ...ops.device import to_device
 from ...ops.sampling import inverse_cdf
+from .acceptance import accept_drafts, accept_greedy
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
 from .graphs import DeviceGraphs
 from .sampling import SamplingParams, stream_seed
-
-
-def accept_drafts(
-    target: torch.Tensor,
-    draft: torch.Tensor,
-    drafts: torch.Tensor,
-    ks: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_final: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The speculative sampling rule for a batch of sampled requests' round, on their device.
-
-    Args:
-        target: [N, K+1, VOCAB] probabilities p_0 .. p_K (p_i: the target's distribution of the token after
-            the i-th verified position; rows past a request's k + 1 unused); draft: [N, K, VOCAB] q_1 .. q_K,
-            each d_i's draft distribution (rows past a request's k zero); drafts: [N, K] int64 drafted
-            tokens; ks: [N] int64, each request's k <= K; u_accept: [N, K] and u_final: [N] fp64 uniforms.
-    Returns:
-        (accepted j [N] in [0, k], the round's last token [N]: drawn by inverse CDF with u_final from
-        normalize(max(0, p_j - q_{j+1})) after a rejection, from p_k when all k were kept).
-    """
-    N, K = drafts.shape
-    rows = torch.arange(N, device=target.device)
-    if K:
-        p_d = target[:, :K].gather(-1, drafts[:, :, None])[..., 0].double()
-        q_d = draft.gather(-1, drafts[:, :, None])[..., 0].double()
-        live = torch.arange(K, device=target.device)[None] < ks[:, None]
-        keep = (u_accept * q_d < p_d) & live  # probability min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
-        j = keep.long().cumprod(-1).sum(-1)
-        q_j = torch.cat([draft, draft.new_zeros(N, 1, draft.shape[-1])], 1)[rows, j]  # zero at j = K
-    else:
-        j = torch.zeros(N, dtype=torch.long, device=target.device)
-        q_j = torch.zeros_like(target[:, 0])
-    p_j = target[rows, j]
-    residual = (p_j - q_j).clamp_min(0)
-    empty = ~(residual.sum(-1) > 0)  # p == q to rounding: nothing to correct
-    residual = torch.where(empty[:, None], p_j, residual)
-    return j, inverse_cdf(residual, u_final)
-
-
-def accept_greedy(
-    target_logits: torch.Tensor, drafts: torch.Tensor, ks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule at temperature 0, batched: target_logits [N, K+1, VOCAB], drafts [N, K], ks [N]; drafts are
-    kept while each equals the target's argmax (the first one, as the sampler takes it); the round ends with
-    the target's argmax."""
-    N, K = drafts.shape
-    best = target_logits.float().argmax(-1)  # [N, K+1]
-    live = torch.arange(K, device=drafts.device)[None] < ks[:, None]
-    j = ((drafts == best[:, :K]) & live).long().cumprod(-1).sum(-1)
-    return j, best[torch.arange(N, device=drafts.device), j]
 
 
 @dataclass

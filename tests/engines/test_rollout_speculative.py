@@ -306,4 +306,4 @@ def test_main_ppo_with_speculative_rollout(tmp_path_factory, tmp_path, switch):
             assert 0.0 <= metrics["rollout/spec_accept_rate"] <= 1.0, (step, metrics)
             assert 1.0 <= metrics["rollout/spec_accept_length"] <= 3.0, (step, metrics)
     log = (tmp_path / "main_ppo.log").read_text()
-    assert "speculative decoding (MTP layer, eager), 2 draft tokens per round" in log
+    assert "speculative decoding (MTP layer), 2 draft tokens per round" in log

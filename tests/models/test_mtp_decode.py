@@ -103,7 +103,7 @@ def test_step_over_several_positions_equals_forward(model):
     rows = torch.arange(3)[:, None]
     out = drafter.step(hidden[rows, positions], tokens[rows, positions], positions, cache, torch.tensor(slots), active)
     assert (out[active] - want).abs().max() <= TOL
-    for n, (slot, s, c) in enumerate(zip(slots, starts, counts)):
+    for slot, s, c in zip(slots, starts, counts):
         assert (cache.attention.k[slot, :, : s + c] - ref.attention.k[slot, :, : s + c]).abs().max() <= TOL
         assert torch.equal(cache.attention.k[slot, :, s + c :], before[slot, :, s + c :])
 
