@@ -39,7 +39,7 @@ from ...models import MoeCausalLM
 from ...models.decode import MoeDecoder, SlotState
 from ...ops import resolve
 from .config import OPTIONS_KEY, ROLLOUT_KEY
-from .graphs import StepGraphs
+from .graphs import StepGraphs, graphs_by_default
 from .sampling import (
     SETTING_DTYPES,
     SamplingParams,
@@ -163,8 +163,8 @@ class GenerationEngine:
         self.max_positions = max_positions
         self.max_num_seqs, self.sync_every = max_num_seqs, sync_every
         self.device = self.decoder.device
-        if device_graphs is None:  # the devices and dtypes tests/engines/test_decode_graphs.py covers
-            device_graphs = self.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
+        if device_graphs is None:
+            device_graphs = graphs_by_default(self.decoder)
         self.graphs = StepGraphs(self.decoder) if device_graphs else None
         self.draw = model.ops.sampling  # the op that samples rows without filters (the model resolved it)
         self.uniforms = resolve("sampling.uniforms")  # each row's number of its own stream

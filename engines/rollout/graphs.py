@@ -16,6 +16,12 @@ from ...ops import device
 _WARMED: set[tuple] = set()
 
 
+def graphs_by_default(decoder: MoeDecoder) -> bool:
+    """Whether the rollout's engines run on device graphs when not told: the devices and dtypes
+    tests/engines/test_decode_graphs.py covers (cuda, bf16 / fp32; npu opts in)."""
+    return decoder.device.type == "cuda" and decoder.dtype in (torch.bfloat16, torch.float32)
+
+
 class DeviceGraphs:
     """Functions captured once per key as device graphs in one memory pool and replayed: a call then costs one
     launch of host time instead of a few hundred.
@@ -111,4 +117,4 @@ class StepGraphs:
         self.runner.clear()
 
 
-__all__ = ["DeviceGraphs", "StepGraphs"]
+__all__ = ["DeviceGraphs", "StepGraphs", "graphs_by_default"]

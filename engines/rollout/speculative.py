@@ -66,7 +66,7 @@ from ...ops.sampling import inverse_cdf
 from .acceptance import accept_drafts, accept_greedy
 from .config import ROLLOUT_KEY
 from .engine import Completion, Request, check_prompt
-from .graphs import DeviceGraphs
+from .graphs import DeviceGraphs, graphs_by_default
 from .sampling import SamplingParams, stream_seed
 
 
@@ -98,7 +98,7 @@ class _SlotInputs:
     # model's hidden state there and the token after it (the last: the token sampled last, the main model's next)
     pending_hidden: torch.Tensor  # [S, K+1, D] model dtype
     pending_tokens: torch.Tensor  # [S, K+1] int64
-    pending: torch.Tensor  # [S] int64, how many
+    pending_count: torch.Tensor  # [S] int64
     mtp_start: torch.Tensor  # [S] int64
 
     @staticmethod
@@ -208,8 +208,8 @@ class SpeculativeEngine:
         self.state: SlotState | None = None
         self.mtp_cache: MtpCache | None = None
         self.inputs: _SlotInputs | None = None
-        if device_graphs is None:  # as GenerationEngine's default
-            device_graphs = self.decoder.device.type == "cuda" and self.decoder.dtype in (torch.bfloat16, torch.float32)
+        if device_graphs is None:
+            device_graphs = graphs_by_default(self.decoder)
         self.graphs = DeviceGraphs(self.decoder.device) if device_graphs else None
 
     @property
@@ -242,7 +242,8 @@ class SpeculativeEngine:
         hidden = self.decoder.extend(prompts, self.state, slots)
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
         last_hidden = hidden[to_device(ends, dev)]
-        x, lp = self._first_tokens(self.model.logits(last_hidden), seqs)
+        temps, greedy = self._temperatures(seqs)
+        x, lp = self._first_tokens(self.model.logits(last_hidden), seqs, temps, greedy)
         # the MTP layer consumes each prompt but its last position now (position s: hidden state at s, token
         # s + 1); the last, with the first token, is the first round's to consume
         longer = [n for n, p in enumerate(prompts) if len(p) > 1]
@@ -255,10 +256,10 @@ class SpeculativeEngine:
         b = self.inputs
         b.pending_hidden[slot_rows, 0] = last_hidden
         b.pending_tokens[slot_rows, 0] = x
-        b.pending[slot_rows] = 1
+        b.pending_count[slot_rows] = 1
         b.mtp_start[slot_rows] = to_device(torch.tensor([len(p) - 1 for p in prompts]), dev)
         b.streams[slot_rows] = to_device(torch.tensor([s.stream or 0 for s in seqs], dtype=torch.int64), dev)
-        b.temps[slot_rows], b.greedy[slot_rows] = self._temperatures(seqs)
+        b.temps[slot_rows], b.greedy[slot_rows] = temps, greedy
         for s, x_n, lp_n in zip(seqs, x.tolist(), lp.tolist()):
             self._seqs[s.slot] = s
             self._emit(s, [x_n], [lp_n])
@@ -322,8 +323,7 @@ class SpeculativeEngine:
         rows = min(rows, len(self._seqs))
         ks = [min(K, s.request.params.max_tokens - len(s.tokens) - 1) for s in seqs]
         control = torch.zeros(3, rows, dtype=torch.int64)
-        for s, k in zip(seqs, ks):
-            control[:, s.slot] = torch.tensor([k, 1, s.draws])
+        control[:, [s.slot for s in seqs]] = torch.tensor([ks, [1] * len(seqs), [s.draws for s in seqs]])
         self.inputs.control[:, :rows].copy_(to_device(control, self.decoder.device))
         # per slot: j, the round's last token, the drafts, the emitted tokens' log-probs; fp64 holds token ids exactly
         if self.graphs is None:
@@ -367,7 +367,7 @@ class SpeculativeEngine:
         drafted, q = self._draft(rows, ks, active, temps, greedy, u[:, :K])
         # the verification: each slot's last token then its drafts (zeros past its k: positions after its
         # k + 1 are never kept nor read)
-        pending, count = b.pending_tokens[:rows], b.pending[:rows]
+        pending, count = b.pending_tokens[:rows], b.pending_count[:rows]
         last = pending.gather(1, (count - 1).clamp(min=0)[:, None])
         hidden, steps = self.decoder.verify(torch.cat([last, drafted], 1), self.state, active)
         target = self.model.logits(hidden.flatten(0, 1)).float().view(rows, K + 1, -1)
@@ -383,7 +383,7 @@ class SpeculativeEngine:
         # the next round's catch-up: the j + 1 kept positions, their hidden states and the tokens after them
         b.pending_hidden[:rows] = torch.where(active[:, None, None], hidden, b.pending_hidden[:rows])
         b.pending_tokens[:rows] = torch.where(active[:, None], emit, pending)
-        b.pending[:rows] = torch.where(active, j + 1, count)
+        b.pending_count[:rows] = torch.where(active, j + 1, count)
         return torch.cat([j[:, None], y[:, None], drafted, log_p], 1).double()
 
     def _draft(
@@ -401,7 +401,7 @@ class SpeculativeEngine:
         count write nothing), then each further draft as one position of every slot (rows past their k write
         nothing)."""
         K, b, dev = self.k, self.inputs, self.decoder.device
-        count, start = b.pending[:rows], b.mtp_start[:rows]
+        count, start = b.pending_count[:rows], b.mtp_start[:rows]
         slots, position = torch.arange(rows, device=dev), torch.arange(K + 1, device=dev)
         consumed = active[:, None] & (position < count[:, None])
         out = self.drafter.step(
@@ -447,10 +447,11 @@ class SpeculativeEngine:
         streams, index = to_device(torch.stack([streams, index.reshape(-1)]), dev)
         return self.uniforms(streams, index).view(len(seqs), count)
 
-    def _first_tokens(self, logits: torch.Tensor, seqs: Sequence[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _first_tokens(
+        self, logits: torch.Tensor, seqs: Sequence[_Seq], temps: torch.Tensor, greedy: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens after the prompts: argmax, or an inverse-CDF draw with number 0 of the request's stream;
-        and their log-probs. logits: [N, VOCAB]."""
-        temps, greedy = self._temperatures(seqs)
+        and their log-probs. logits: [N, VOCAB]; temps, greedy: `_temperatures(seqs)`."""
         lp = (logits.float() / temps[:, None]).log_softmax(-1)
         x = lp.argmax(-1)
         if not bool(greedy.all()):
