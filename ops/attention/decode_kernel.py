@@ -186,6 +186,10 @@ def decode_attention_triton(
         raise ValueError("k_cache and v_cache need one layout with a contiguous last dim")
     B, H, D = q.shape
     HKV, L = k_cache.shape[1], k_cache.shape[2]
+    # the kernels read one count and slot per row at row * 1: a strided view (a column, an expanded
+    # row) would be read past its elements
+    counts = counts.contiguous()
+    slots = slots if slots is None else slots.contiguous()
     G, NT = H // HKV, cdiv(L, BL)
     out = torch.empty_like(q)
     if B == 0:

@@ -153,9 +153,9 @@ def attention_rows_triton(
         k_cache=k_cache,
         v_cache=v_cache,
         o=o,
-        slot=slot,
-        start=start,
-        count=count,
+        slot=slot.contiguous(),  # one per row at row * 1
+        start=start.contiguous(),
+        count=count.contiguous(),
         scale=float(scale),
         R=R,
         s_qr=q.stride(0),

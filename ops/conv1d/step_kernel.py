@@ -132,7 +132,7 @@ def causal_conv1d_step_triton(
         bias=bias.contiguous() if bias is not None else x,  # never read without HAS_BIAS
         out=out,
         new_state=new_state,
-        active=active.view(torch.uint8) if active is not None else x,  # never read without HAS_ACTIVE
+        active=active.contiguous().view(torch.uint8) if active is not None else x,  # never read without HAS_ACTIVE
         N=N,
         C=C,
         W=W,

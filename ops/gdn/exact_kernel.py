@@ -142,8 +142,8 @@ def gated_delta_rule_rows_triton(
             state_in=state_in,
             state_out=state_out,
             o=o,
-            seq_start=seq_start,
-            seq_len=seq_len,
+            seq_start=seq_start.contiguous(),  # one per sequence at n * 1
+            seq_len=seq_len.contiguous(),
             scale=float(scale),
             N=N,
             H=H,

@@ -143,7 +143,7 @@ def gated_delta_rule_step_triton(
         state=state,
         o=o,
         new_state=new_state,
-        active=active.view(torch.uint8) if active is not None else o,  # never read without HAS_ACTIVE
+        active=active.contiguous().view(torch.uint8) if active is not None else o,  # never read without HAS_ACTIVE
         scale=K**-0.5 if scale is None else float(scale),
         N=N,
         H=H,

@@ -76,6 +76,18 @@ def test_kernel_head_dim_over_one_chunk_and_positions_past_the_count_unread():
     assert_rel_rms("out", _fp64(q, k, v, n, 0.1), out, TOL[torch.float32])
 
 
+def test_kernel_reads_counts_and_slots_given_as_strided_views():
+    """Counts and slots passed as columns of wider tensors (speculative decoding's verification passes a
+    slot per row as an expanded view): each row reads its own count and slot, not its neighbours' in memory."""
+    from verl_moe.ops.attention.decode_kernel import decode_attention_triton
+
+    q, k, v, _ = _inputs(4, 4, 2, 64, 16, torch.float32, [1] * 4, slots=3)
+    counts = torch.tensor([[5, 60], [64, 1], [17, 2], [1, 33]])[:, 0]
+    slots = torch.tensor([[2, 0], [0, 1], [1, 2], [2, 0]])[:, 0]
+    out = decode_attention_triton(q, k, v, counts, 0.25, slots=slots)
+    assert_rel_rms("out", _fp64(q, k[slots], v[slots], counts, 0.25), out, TOL[torch.float32])
+
+
 def test_bad_inputs_raise_one_line():
     q, k, v, n = _inputs(2, 4, 2, 16, 8, torch.float32, [1, 2])
     with pytest.raises(ValueError, match="counts must be"):

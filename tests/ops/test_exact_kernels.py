@@ -73,6 +73,9 @@ def test_attention_rows_kernel_packed_equals_decode_slots(dtype):
     packed = attention_rows_triton(q, packed_k, packed_v, zeros, starts, pos + 1, K**-0.5)
     reference = attention_rows(q.float(), packed_k.float(), packed_v.float(), zeros, starts, pos + 1, K**-0.5)
     assert_rel_rms("attention", reference.double(), packed, TOL[dtype])
+    # slot, start and count given as columns of wider tensors (strided views): each row reads its own
+    columns = [torch.stack([t, t.flip(0)], 1)[:, 0] for t in (zeros, starts, pos + 1)]
+    assert torch.equal(attention_rows_triton(q, packed_k, packed_v, *columns, K**-0.5), packed)
     # the same keys in slots of a cache with room to spare, garbage past each sequence's end
     k_cache, v_cache = _randn(len(lengths), HKV, L, K, dtype=dtype), _randn(len(lengths), HKV, L, V, dtype=dtype)
     for n, (a, length) in enumerate(zip(firsts, lengths)):
