@@ -219,18 +219,22 @@ def _skipped_note(reports: list[tuple[str, dict]]) -> str:
 
 
 def model_section(reports: list[tuple[str, dict]]) -> str:
-    rows = [r for _, rep in reports for r in rep["rows"]]
+    named = [(name, r) for name, rep in reports for r in rep["rows"]]
+    rows = [r for _, r in named]
     ours = _ours(rows[0]) or "ours"
     header = ["case", "provider", "ms", "kernel ms", "busy", "tokens/s", _mfu_header(rows), "peak GiB"]
     header.append("loss rel. diff")
-    header.append(f"{ours} ms / this ms")
+    header += [f"{ours} ms / this ms", "report"]
     body = [
-        [r["case"], f"**{r['provider']}**" if r["provider"] == ours else r["provider"]]
+        [
+            r["case"] + (" (fwd)" if r.get("mode") == "fwd" else ""),
+            f"**{r['provider']}**" if r["provider"] == ours else r["provider"],
+        ]
         + _step_cells(r)
-        + [num(r.get(f"ratio_{ours}_over_this"), 3)]
-        for r in rows
+        + [num(r.get(f"ratio_{ours}_over_this"), 3), name]
+        for name, r in named
     ]
-    right = set(range(2, len(header)))
+    right = set(range(2, len(header) - 1))
     return f"{table(header, body, right)}\n\n{footer(reports)}"
 
 
