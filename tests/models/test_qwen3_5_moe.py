@@ -139,7 +139,7 @@ def test_bad_inputs_raise(pair):
 
 
 def test_fp64_model_takes_torch_ops_on_accelerators(monkeypatch):
-    # Found on the H200: the align tool's fp64 reference picked the Triton GDN kernels ("auto" on a GPU),
+    # The align tool's fp64 reference once picked the Triton GDN kernels ("auto" on a GPU),
     # which refuse fp64 inputs. An fp64 model resolves "auto" to each op's torch code, even when
     # VERL_MOE_OPS names a kernel; a 16/32-bit model keeps the accelerator defaults.
     from verl_moe.models.layers import ResolvedOps

@@ -448,8 +448,8 @@ def test_gpu_long_bf16_stress_finite_and_deterministic():
 
 
 def _fla_first_configs_only():
-    """fla's first call autotunes about 80 kernel configs, which took over 170 s on the H200 (it did
-    not finish inside the test's time); a correctness comparison needs one config per kernel, so each
+    """fla's first call autotunes about 80 kernel configs, minutes on a GPU (past the test's time); a
+    correctness comparison needs one config per kernel, so each
     fla autotuner keeps its first. (`verl-moe bench gdn` times fla fully autotuned.)"""
     from triton.runtime.autotuner import Autotuner
 
@@ -507,8 +507,8 @@ def test_gpu_matches_fla():
     for what, ref, theirs, ours in pairs:
         checks = [(f"{what} ours vs reference", ref, ours)]
         if what == "o":
-            # fla's own bf16 o is further from fp64 than the o budget (4.4e-3 against 3e-3 on the H200,
-            # 2026-11-29), so ours-vs-fla cannot meet it; ours must be at least as close to fp64 as fla.
+            # fla's own bf16 o can be further from fp64 than the o budget, so ours-vs-fla cannot be
+            # held to it; ours must be at least as close to fp64 as fla.
             ours_err, fla_err = rel_rms(ref, ours), rel_rms(ref, theirs)
             if ours_err > fla_err:
                 failures.append(f"o: ours {ours_err:.2e} is further from fp64 than fla {fla_err:.2e}")
