@@ -25,11 +25,15 @@ the same metrics.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
 import transfer_queue as tq
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+logger = logging.getLogger(__name__)
 
 
 def content_order(keys: Sequence[str], sequences: Sequence[bytes]) -> list[int]:
@@ -64,10 +68,19 @@ class ContentOrderedReplayBuffer(ReplayBuffer):
         super().__init__(trainer_mode, *args, **kwargs)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        """verl's `sample` (waits until the batch is complete), then the batch in content order. Logs how
+        long the wait and the ordering took: with the rollout server's per-wave line, where the trainer's
+        `timing_s/gen` goes."""
+        start = time.perf_counter()
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        ready = time.perf_counter()
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
         rows = data["input_ids"].unbind(0)  # jagged: one tensor per trajectory
         batch.reorder(content_order(batch.keys, [row.cpu().numpy().tobytes() for row in rows]))
+        logger.info(
+            "verl_moe replay buffer: %d trajectories ready after %.2f s, put in content order in %.3f s",
+            len(batch.keys), ready - start, time.perf_counter() - ready,
+        )  # fmt: skip
         return batch, metrics
 
 
