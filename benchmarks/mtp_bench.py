@@ -21,6 +21,7 @@ is at most `--max-speculative`, the rollout's `max_speculative`, else "plain": s
 `rollout_speedup`, that path's tokens/s over plain's (1 where it steps aside).
 
 python benchmarks/mtp_bench.py --json results/mtp_h100.json          # reduced model, on a GPU
+python benchmarks/mtp_bench.py --layers 16 --json results/mtp_L16_h100.json   # the MTP layer 1/16 of the model
 python benchmarks/mtp_bench.py --tiny --train-seconds 20 --requests 1,4 --new-tokens 16   # smoke run on CPU
 """
 
@@ -89,9 +90,12 @@ class Chain:
         return out
 
 
-def model_config(tiny: bool, vocab: int) -> Qwen3_5MoeTextConfig:
-    """The reduced Qwen3.5-MoE of `verl-moe bench` (4 layers, hidden 2048, 64 experts top-8) with a vocabulary of
-    `vocab` and one MTP layer; `tiny`: a few-thousand-parameter one for CPU smoke runs."""
+def model_config(tiny: bool, vocab: int, layers: int = 4) -> Qwen3_5MoeTextConfig:
+    """The reduced Qwen3.5-MoE of `verl-moe bench` (`layers` layers, every fourth full attention, hidden 2048, 64
+    experts top-8) with a vocabulary of `vocab` and one MTP layer; `tiny`: a few-thousand-parameter one for CPU
+    smoke runs. The MTP layer is one decoder layer: 1 / layers of the main model's work per token (a quarter at
+    4 layers, a few percent in the full Qwen3.5-MoE models of tens of layers), which bounds what speculation
+    can gain here."""
     if tiny:
         sizes = dict(
             hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -101,7 +105,7 @@ def model_config(tiny: bool, vocab: int) -> Qwen3_5MoeTextConfig:
         )  # fmt: skip
     else:
         sizes = dict(
-            hidden_size=2048, num_hidden_layers=4, full_attention_interval=4, num_attention_heads=16,
+            hidden_size=2048, num_hidden_layers=layers, full_attention_interval=4, num_attention_heads=16,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
             linear_key_head_dim=128, linear_value_head_dim=128, num_experts=64, num_experts_per_tok=8,
             moe_intermediate_size=512, shared_expert_intermediate_size=512,
@@ -199,6 +203,7 @@ def measure(model, chain: Chain, requests: int, ks: list[int], args) -> list[dic
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU smoke runs)")
+    parser.add_argument("--layers", type=int, default=4, help="main decoder layers of the reduced model")
     parser.add_argument("--states", type=int, default=4096, help="token ids the corpus uses (1..states)")
     parser.add_argument("--branching", type=int, default=4, help="successors per state")
     parser.add_argument("--vocab", type=int, default=32768)
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     dev = devices.current_device() if devices.is_accelerator() else torch.device("cpu")
     torch.manual_seed(0)
     chain = Chain.random(args.states, args.branching, seed=0)
-    config = model_config(args.tiny, args.vocab)
+    config = model_config(args.tiny, args.vocab, args.layers)
     model = vm.build(config, dtype=torch.float32, device=dev)
     report = {"tool": "mtp_bench", "argv": sys.argv, **environment(), "corpus_entropy": chain.entropy()}
     report.update(train(model, chain, args, dev))
