@@ -12,7 +12,6 @@ python benchmarks/profile_speculative.py --tiny 1,4 2      # the tiny model on C
 
 import os
 import sys
-import time
 from functools import partial
 
 import torch
@@ -25,6 +24,7 @@ from mtp_bench import model_config  # noqa: E402
 from verl_moe.engines.rollout.engine import GenerationEngine, Request  # noqa: E402
 from verl_moe.engines.rollout.sampling import SamplingParams  # noqa: E402
 from verl_moe.ops import device  # noqa: E402
+from verl_moe.tools.bench.timing import time_ms  # noqa: E402
 
 args = [a for a in sys.argv[1:] if a != "--tiny"]
 tiny = "--tiny" in sys.argv
@@ -43,23 +43,13 @@ def requests(n: int, tag: str) -> list[Request]:
     return [Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
 
 
-def timed(fn, repeats: int) -> float:
-    """ms per call of fn, the device synchronised around the repeats."""
-    device.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    device.synchronize()
-    return (time.perf_counter() - start) * 1e3 / repeats
-
-
 def kernels_per_call(fn, repeats: int) -> float:
-    with profile(activities=activities) as prof:
+    """Device kernels launched per call of fn (cuda)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             fn()
         device.synchronize()
-    kind = "CUDA" if dev.type == "cuda" else "CPU"
-    return sum(e.count for e in prof.key_averages() if e.device_type.name == kind) / repeats
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA") / repeats
 
 
 def ranged(obj, name: str, label: str) -> None:
@@ -86,7 +76,7 @@ for n in counts:
     spec.add(requests(n, "s"))
     plain.step(8)  # captures, compiles and autotunes
     spec.step(8)
-    step_ms, round_ms = timed(partial(plain.step, 1), 20), timed(partial(spec.step, 1), 20)
+    step_ms, round_ms = time_ms(partial(plain.step, 1), 20), time_ms(partial(spec.step, 1), 20)
     line = f"{n} requests, k={k}: plain step {step_ms:.3f} ms, round {round_ms:.3f} ms ({round_ms / step_ms:.2f} steps)"
     if graphs:
         line += f"; kernels {kernels_per_call(partial(plain.step, 1), 5):.0f} per step, "
