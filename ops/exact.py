@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import device
 from .dispatch import resolve
 
 _TENSOR = object()  # marks a value slot held in the saved tensors
@@ -99,4 +100,23 @@ def exact_forward(exact: Callable, fast: Callable) -> Callable:
     return op
 
 
-__all__ = ["ExactForwardFunction", "by_device", "device_default", "exact_forward"]
+_TILES_AGREE: dict[tuple, bool] = {}
+
+
+def tiles_agree(key: tuple, outputs: Callable[[], list[torch.Tensor]]) -> bool:
+    """Whether a kernel's candidate tile configs give bitwise-equal results on this device: `outputs()` runs the
+    kernel once per config on the same probe inputs. On tensor cores a tile config decides which rows and columns
+    a program owns, not the order in which a row's products over K are added (ascending, in 16-wide steps
+    into one fp32 accumulator), so they agree and exact mode may pick tiles by the row count. Measured once per
+    `key` (kernel, dtype, device) and remembered; where they differ (another device or compiler) the callers
+    keep their one pinned config. False, not remembered, while a device graph is being captured (nothing may
+    synchronise then): the pinned config gives the same bits either way."""
+    if key not in _TILES_AGREE:
+        if device.capturing():
+            return False
+        outs = outputs()
+        _TILES_AGREE[key] = all(torch.equal(out, outs[0]) for out in outs[1:])
+    return _TILES_AGREE[key]
+
+
+__all__ = ["ExactForwardFunction", "by_device", "device_default", "exact_forward", "tiles_agree"]

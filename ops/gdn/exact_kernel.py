@@ -20,7 +20,7 @@ from .step_kernel import STEP_CONFIGS
 
 # One config for every use (a token's sums over K follow the tile's layout across threads): the fast
 # one-token step's, the fastest at a decode step's shape, so exact mode's decode step runs at its speed.
-CONFIG = STEP_CONFIGS[0]
+CONFIG = dict(STEP_CONFIGS[0])
 MAX_K = 128  # the whole K of a state tile lives in one program (Ascend: K/V tiles <= 128)
 MAX_SHAPES = ({"N": 4096, "HV": 64, "K": 128, "V": 128},)
 
@@ -46,10 +46,11 @@ def _gdn_rows_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    INPLACE: tl.constexpr,
 ):
     """Rows q, k [T, H, K], v [T, HV, V], g, beta [T, HV], o [T, HV, V]; sequence n is rows
     seq_start[n] + [0, seq_len[n]) with state state_in[n] [HV, K, V] fp32 before and state_out[n] after
-    (state_out may be state_in: a tile is read before its only write)."""
+    (INPLACE: state_out is state_in, a tile read before its only write; else every tile is written)."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     NV = tl.cdiv(V, BV)
     o_k = tl.arange(0, BK)
@@ -60,11 +61,14 @@ def _gdn_rows_kernel(
         i_h = i_hv // (HV // H)
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
+        n_t = tl.load(seq_len + i_n)
         p_s = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
+        if INPLACE:  # a sequence of no tokens (an idle slot of a decode step) neither reads nor writes its state
+            m_s = m_s & (tl.zeros([BK, BV], dtype=tl.int32) + n_t > 0)
         b_s = tl.load(state_in + p_s, mask=m_s, other=0.0).to(tl.float32)
         row0 = tl.load(seq_start + i_n).to(tl.int64)
-        for t in range(0, tl.load(seq_len + i_n)):
+        for t in range(0, n_t):
             row = row0 + t
             p_qk = (row * H + i_h) * K + o_k
             b_q = tl.load(q + p_qk, mask=m_k, other=0.0).to(tl.float32)
@@ -152,6 +156,7 @@ def gated_delta_rule_rows_triton(
             V=V,
             BK=next_pow2(K),
             USE_QK_L2NORM=use_qk_l2norm_in_kernel,
+            INPLACE=inplace,
         )
     if inplace and state_out.data_ptr() != state.data_ptr():
         state.copy_(state_out)

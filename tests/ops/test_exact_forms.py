@@ -120,3 +120,27 @@ def test_logprob_exact_matches_reference(temperature):
     lp, ent = logprobs_and_entropy(h, w, labels, temperature, impl="exact")
     assert_rel_rms("log_prob", ref_lp, lp, 1e-5)
     assert_rel_rms("entropy", ref_ent, ent, 1e-5)
+
+
+def test_tiles_agree_compares_each_config_once_and_not_while_capturing(monkeypatch):
+    """`tiles_agree` is true only for bitwise-equal outputs, probes a key once, and during a graph capture
+    answers false without probing or remembering."""
+    from verl_moe.ops import device, exact
+
+    calls = []
+
+    def probe(*outs):
+        def outputs():
+            calls.append(1)
+            return [torch.tensor(v) for v in outs]
+
+        return outputs
+
+    monkeypatch.setattr(exact, "_TILES_AGREE", {})
+    assert exact.tiles_agree(("same",), probe(1.0, 1.0, 1.0))
+    assert exact.tiles_agree(("same",), probe(1.0, 2.0))  # remembered: not probed again
+    assert len(calls) == 1
+    assert not exact.tiles_agree(("one ulp",), probe(1.0, float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))))
+    monkeypatch.setattr(device, "capturing", lambda: True)
+    assert not exact.tiles_agree(("captured",), probe(1.0, 1.0))
+    assert len(calls) == 2 and ("captured",) not in exact._TILES_AGREE

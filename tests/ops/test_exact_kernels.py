@@ -20,10 +20,11 @@ from verl_moe.ops.conv1d.conv import causal_conv1d as causal_conv1d_triton
 from verl_moe.ops.conv1d.reference import causal_conv1d_ref
 from verl_moe.ops.conv1d.step_kernel import causal_conv1d_step_triton
 from verl_moe.ops.experts import moe_experts_ref
-from verl_moe.ops.experts.exact import _experts_by_groups
+from verl_moe.ops.experts.exact import _experts_by_groups, exact_rows_configs
+from verl_moe.ops.experts.grouped_gemm import SMALL_ROWS_CONFIGS
 from verl_moe.ops.gdn import chunk_gated_delta_rule_ref
 from verl_moe.ops.gdn.exact_kernel import gated_delta_rule_rows_triton
-from verl_moe.ops.linear.exact_kernel import linear_rows_triton
+from verl_moe.ops.linear.exact_kernel import DECODE_ROWS, exact_config, linear_rows_triton
 from verl_moe.ops.logprob.exact_kernel import scaled_logsumexp_triton
 from verl_moe.ops.norm.fused import rms_norm
 from verl_moe.ops.norm.reference import rms_norm_ref
@@ -42,12 +43,14 @@ def _randn(*shape, dtype=torch.float32, scale=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K, N", [(80, 600), (128, 200), (128, 2600)])  # K partly or wholly in blocks; N's configs
 def test_linear_rows_kernel_rows_are_their_own(dtype, K, N):
-    """Rows in several row-block groups and column blocks: each row's result equals that row's alone."""
+    """Rows in several row-block groups and column blocks: each row's result equals that row's alone, also
+    where the whole call is past DECODE_ROWS (training tiles) and its slices within (decode tiles on a GPU)."""
     torch.manual_seed(0)
-    x, w, b = _randn(300, K, dtype=dtype), _randn(N, K, dtype=dtype), _randn(N, dtype=dtype)
+    M = DECODE_ROWS + 88
+    x, w, b = _randn(M, K, dtype=dtype), _randn(N, K, dtype=dtype), _randn(N, dtype=dtype)
     out = linear_rows_triton(x, w, b)
     assert_rel_rms("linear", x.double() @ w.double().T + b.double(), out, TOL[dtype])
-    for rows in (slice(0, 1), slice(3, 4), slice(5, 30), slice(36, 37), slice(130, 299)):
+    for rows in (slice(0, 1), slice(3, 4), slice(5, 30), slice(36, 37), slice(130, 299), slice(1, M)):
         assert torch.equal(linear_rows_triton(x[rows], w, b), out[rows])
     wide = linear_rows_triton(x, w, out_dtype=torch.float32)
     assert wide.dtype == torch.float32 and torch.equal(
@@ -152,8 +155,9 @@ def test_logsumexp_kernel_rows_are_their_own():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_experts_grouped_exact_rows_are_their_own(dtype):
+    """The whole batch past the decode sizes (training tiles on a GPU), its slices within (decode tiles)."""
     torch.manual_seed(5)
-    N, D, I, E, TOPK = 23, 32, 16, 6, 2
+    N, D, I, E, TOPK = 200, 32, 16, 6, 2  # 400 copies > SMALL_ROWS_PER_EXPERT * E
     hidden = _randn(N, D, dtype=dtype)
     gate_up, down = _randn(E, 2 * I, D, dtype=dtype, scale=0.2), _randn(E, D, I, dtype=dtype, scale=0.2)
     idx = torch.stack([torch.randperm(E)[:TOPK] for _ in range(N)]).to(DEV)
@@ -163,6 +167,16 @@ def test_experts_grouped_exact_rows_are_their_own(dtype):
     assert_rel_rms("experts", ref, out, TOL[dtype] * 2)
     for rows in (slice(0, 1), slice(4, 11)):
         assert torch.equal(_experts_by_groups(hidden[rows], gate_up, down, idx[rows], weight[rows]), out[rows])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="decode tiles are for cuda's shared memory (none fit elsewhere)")
+def test_decode_tiles_are_taken_on_this_gpu():
+    """On this GPU the decode tiles give the training tiles' bits (`tiles_agree`'s probe), so a decode step takes
+    them: a projection of 256 rows to 8192 outputs runs in other tiles than one of 4096 rows, and the experts'
+    GEMMs at a decode step's copies in fast mode's decode config."""
+    assert exact_config(torch.bfloat16, 8192, 256) is not exact_config(torch.bfloat16, 8192, 4096)
+    assert exact_rows_configs(torch.bfloat16, 2048, 64) == tuple(SMALL_ROWS_CONFIGS)
+    assert exact_rows_configs(torch.bfloat16, 64 * 1024, 64) != tuple(SMALL_ROWS_CONFIGS)
 
 
 def test_norm_first_config_rows_are_their_own():
