@@ -18,7 +18,6 @@ from torch import nn
 
 from ..ops import device, resolve
 from ..ops.experts import exact as experts_exact
-from ..ops.linear import exact_kernel as linear_exact_kernel
 from ..ops.linear import linear_ref
 from ..ops.logprob.exact import exact_logits
 from ..ops.rope import rope_cos_sin, rope_inv_freq
@@ -326,9 +325,8 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
     if ops.exact:
         check_exact_mode(dtype)
         if device.is_accelerator():
-            # whether a decode step's narrower tiles give the training tiles' bits here, measured now: a decode
+            # whether the experts' decode tiles give their training tiles' bits here, measured now: a decode
             # step's first call may be inside a device-graph capture, where nothing can be measured
-            linear_exact_kernel.decode_tiles_agree(dtype)
             experts_exact.decode_tiles_agree(dtype)
 
     def pick(op: str, needed: bool = True):

@@ -1,11 +1,10 @@
 """Exact mode's projection on devices: a Triton GEMM whose tiling never depends on the shape of the call.
 
 A GEMM library picks its kernel (tile shape, split-K) by the problem's shape, so one row's result changes
-with how many rows share the call. Here K is walked from 0 upwards without splitting, and each output element
-is accumulated by the same sequence of tensor-core instructions whatever M is and whichever row of a tile it
-lands in: a row's result is a function of that row and the weights alone. The tile shape is fixed per dtype,
-device and output width (`exact_config`); a decode step's few rows take narrower tiles where this device
-gives them the same bits (`ops.exact.tiles_agree`, checked once per process), else the same fixed ones.
+with how many rows share the call. Here the tile shape, the K step and the warp count are fixed per dtype,
+device and output width (`exact_config`), K is walked from 0 upwards without splitting, and each output element is
+accumulated by the same sequence of tensor-core instructions whatever M is and whichever row of a tile it
+lands in: a row's result is a function of that row and the weights alone.
 
 Tiles run in groups of GROUP_M row blocks (column block outer within a group), so the programs resident
 at one time share each weight tile across GROUP_M row blocks from L2: a [1024, 248320] head reads its
@@ -18,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import device
 from ..common.launch import cdiv, dot_dtype, dot_precision, grid_1d, launch, stages_fit
-from ..exact import tiles_agree
 
 # Configs of 16-bit operands by the projection's width N (fixed per weight, never by the row count M), each
 # list in order of preference, the first whose stages fit in shared memory taken (`exact_config`). Chosen by
@@ -35,15 +32,6 @@ CONFIGS_16_WIDE = [
 CONFIGS_16_MID = [{"BM": 128, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}]  # N <= 2048
 CONFIGS_16_NARROW = [{"BM": 64, "BN": 64, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}]  # N <= 256
 CONFIG_32 = {"BM": 32, "BN": 64, "BK": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
-# A call of at most DECODE_ROWS rows (a decode step) with 16-bit operands takes the first fitting config of
-# the list for the narrowest bound >= N (none past the largest: the LM head keeps its training tiles): at
-# 256 rows the training tiles leave most SMs idle (N = 8192: 64 tiles of 128 x 256 for 132 SMs).
-DECODE_ROWS = 512
-CONFIGS_16_DECODE = {
-    256: [{"BM": 16, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}],
-    2048: [{"BM": 32, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}],
-    8192: [{"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}],
-}
 MAX_SHAPES = ({"M": 1 << 20, "N": 1 << 12}, {"M": 1 << 14, "N": 248320})
 
 
@@ -114,45 +102,13 @@ KERNEL_LAUNCHES = {
 }
 
 
-def exact_config(dtype: torch.dtype, N: int, M: int | None = None) -> dict:
-    """The tile config of a projection of M rows to N outputs from `dtype` operands on this device: fp32's; for
-    16-bit operands at most DECODE_ROWS rows take N's decode config where this device's tiles agree, else
-    the first of N's preferred configs whose stages fit in shared memory, else CONFIG_16."""
+def exact_config(dtype: torch.dtype, N: int) -> dict:
+    """The one tile config of a projection to N outputs from `dtype` operands on this device: fp32's; for
+    16-bit operands the first of N's preferred configs whose stages fit in shared memory, else CONFIG_16."""
     if dtype == torch.float32:
         return CONFIG_32
-    if M is not None and M <= DECODE_ROWS:
-        bound = min((b for b in CONFIGS_16_DECODE if N <= b), default=None)
-        decode = _decode_config(bound)
-        if decode is not None and decode_tiles_agree(dtype, bound):
-            return decode
-    return _training_config(N)
-
-
-def _training_config(N: int) -> dict:
     preferred = CONFIGS_16_NARROW if N <= 256 else CONFIGS_16_MID if N <= 2048 else CONFIGS_16_WIDE
     return next((c for c in preferred if stages_fit(c, c["BK"])), CONFIG_16)
-
-
-def _decode_config(bound: int | None) -> dict | None:
-    return next((c for c in CONFIGS_16_DECODE.get(bound, ()) if stages_fit(c, c["BK"])), None)
-
-
-def decode_tiles_agree(dtype: torch.dtype, bound: int | None = None) -> bool:
-    """Whether the decode config of the widths up to `bound` (every bound when None) and their training config
-    give the same bits on this device, on random probe rows (`ops.exact.tiles_agree`, measured once)."""
-    if bound is None:
-        return all([decode_tiles_agree(dtype, b) for b in CONFIGS_16_DECODE])
-    dev = device.current_device()
-
-    def outputs():
-        gen = torch.Generator(dev).manual_seed(0)
-        x = torch.randn(96, 1024, generator=gen, device=dev).to(dtype)
-        w = torch.randn(bound, 1024, generator=gen, device=dev).to(dtype)
-        return [linear_rows_triton(x, w, out_dtype=torch.float32, config=c) for c in configs]
-
-    configs = (_training_config(bound), _decode_config(bound))
-    key = ("linear_rows", dtype, str(dev), *(tuple(sorted(c.items())) for c in configs if c is not None))
-    return configs[1] is not None and tiles_agree(key, outputs)
 
 
 def linear_rows_triton(
@@ -176,7 +132,7 @@ def linear_rows_triton(
     M = rows.shape[0]
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
-        config = config or exact_config(x.dtype, N, M)
+        config = config or exact_config(x.dtype, N)
         launch(
             _linear_rows_kernel,
             [config],
@@ -200,4 +156,4 @@ def linear_rows_triton(
     return y.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["decode_tiles_agree", "exact_config", "linear_rows_triton"]
+__all__ = ["linear_rows_triton"]
