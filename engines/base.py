@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 
@@ -58,6 +60,7 @@ from verl_moe.ops import device
 from verl_moe.ops.common import runtime
 
 logger = logging.getLogger(__name__)
+logger.setLevel(os.environ.get("VERL_LOGGING_LEVEL", "INFO").upper())  # as the rollout's: verl's root handler prints it
 
 
 class _ModeCtx(BaseEngineCtx):
@@ -274,6 +277,7 @@ class MoeEngineBase(BaseEngine):
         """
         # verl's fix for 4-row position ids whose ragged dim a pickle / chunk lost (its train_batch
         # and infer_batch call it; ours overrides train_batch)
+        start = time.perf_counter()
         tu.maybe_fix_3d_position_ids(data)
         batch.check_batch_options(data)
         dp_group = self.get_data_parallel_group()
@@ -289,8 +293,9 @@ class MoeEngineBase(BaseEngine):
         else:
             default_size, default_tokens = ec.micro_batch_size_per_gpu, ec.max_token_len_per_gpu
         max_token_len = tu.get_non_tensor_data(data, "max_token_len_per_gpu", default_tokens)
+        lengths = data["input_ids"].offsets().diff().tolist()
         indices = batch.split_micro_batches(
-            data["input_ids"].offsets().diff().tolist(),
+            lengths,
             use_dynamic_bsz=bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", ec.use_dynamic_bsz)),
             micro_batch_size=tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", default_size),
             # an SP group shares one micro-batch over its ranks: verl's budget is per rank
@@ -347,7 +352,19 @@ class MoeEngineBase(BaseEngine):
                 }
             )
         _read_losses(outputs)
-        return postprocess_batch_func(outputs, indices, data)  # model outputs back in the batch's order
+        result = postprocess_batch_func(outputs, indices, data)  # model outputs back in the batch's order
+        # the engine's own share of verl's timing_s/old_log_prob, ref and update_actor (the rest is verl's
+        # dispatch and TransferQueue)
+        device.synchronize()
+        logger.info(
+            "verl_moe engine: %s of %d sequences (%d tokens, %d micro-batches) in %.3f s",
+            "forward" if forward_only else "forward + backward",
+            len(lengths),
+            sum(lengths),
+            len(indices),
+            time.perf_counter() - start,
+        )
+        return result
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> dict:
         """One optimizer step on `data`; adds "grad_norm" and "grad_norm_nonfinite" (1.0 = step skipped)."""
