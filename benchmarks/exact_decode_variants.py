@@ -16,27 +16,18 @@ import sys
 
 import torch
 from triton.testing import do_bench
-from verl_moe.models import OpsConfig, build
-from verl_moe.models.causal_lm import resolve_ops
 from verl_moe.ops.experts import exact as experts_exact
 from verl_moe.ops.gdn import exact_kernel as gdn_kernel
 from verl_moe.ops.gdn.exact import gated_delta_rule_step_exact
 from verl_moe.ops.gdn.step_kernel import gated_delta_rule_step_triton
 from verl_moe.ops.logprob import logprob_head
 from verl_moe.tools.bench import exact as eb
-from verl_moe.tools.bench.model import reduced_config
-from verl_moe.tools.bench.rollout import rl_requests
 
 out_path = sys.argv[1] if len(sys.argv) > 1 else None
 requests = int(sys.argv[2]) if len(sys.argv) > 2 else 256
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 dev = torch.device("cuda")
-torch.manual_seed(0)
-config = reduced_config(layers)
-model = build(config, dtype=torch.bfloat16, device=dev)
-fast_ops = model.ops
-exact_ops = resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)
-reqs = rl_requests(requests, config.vocab_size)
+model, fast_ops, exact_ops, reqs = eb.reduced_setup(requests, layers)
 steps = max(r.params.max_tokens for r in reqs) - 1
 out = open(out_path, "w") if out_path else None
 

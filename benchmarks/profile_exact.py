@@ -9,21 +9,14 @@ import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from verl_moe.models import OpsConfig, build
-from verl_moe.models.causal_lm import resolve_ops
 from verl_moe.ops.logprob import logprob_head
 from verl_moe.tools.bench import exact as eb
-from verl_moe.tools.bench.model import reduced_config
-from verl_moe.tools.bench.rollout import rl_requests
 
 requests = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 dev = torch.device("cuda")
-torch.manual_seed(0)
-config = reduced_config(layers)
-model = build(config, dtype=torch.bfloat16, device=dev)
-ops = {"fast": model.ops, "exact": resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)}
-reqs = rl_requests(requests, config.vocab_size)
+model, fast_ops, exact_ops, reqs = eb.reduced_setup(requests, layers)
+ops = {"fast": fast_ops, "exact": exact_ops}
 
 
 def table(prof, title, per=1):

@@ -163,6 +163,20 @@ def _train_step_s(model, head, sequences, group, dev) -> float:
     return sorted(_seconds(step)[0] for _ in range(3))[1]
 
 
+def reduced_setup(requests: int, layers: int) -> tuple:
+    """The bench's reduced model on this device from fixed seeds, its fast and exact ops and `requests` RL-shaped
+    requests: (model, fast ops, exact ops, requests). The model holds its fast ops (`use_ops` switches)."""
+    from ...models import OpsConfig, build
+    from ...models.causal_lm import resolve_ops
+    from .model import reduced_config
+
+    torch.manual_seed(0)
+    config = reduced_config(layers)
+    model = build(config, dtype=torch.bfloat16, device=devices.current_device())
+    exact_ops = resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)
+    return model, model.ops, exact_ops, rl_requests(requests, config.vocab_size)
+
+
 def run(
     requests: int = 256,
     layers: int = 4,
@@ -175,20 +189,12 @@ def run(
     Raises:
         ValueError: no accelerator (the reduced model needs ~20 GiB).
     """
-    from ...models import OpsConfig, build
-    from ...models.causal_lm import resolve_ops
     from ...ops.logprob import logprob_head
-    from .model import reduced_config
 
     if not devices.is_accelerator():
         raise ValueError("verl-moe bench exact needs a cuda device (the reduced model)")
     dev = devices.current_device()
-    torch.manual_seed(0)
-    config = reduced_config(layers)
-    model = build(config, dtype=torch.bfloat16, device=dev)
-    fast_ops = model.ops
-    exact_ops = resolve_ops(OpsConfig(exact=True), model.arch, torch.bfloat16)
-    reqs = rl_requests(requests, config.vocab_size)
+    model, fast_ops, exact_ops, reqs = reduced_setup(requests, layers)
     records = []
     for mode in MODES:
         ops, head = (exact_ops, logprob_head("exact")) if mode == "exact" else (fast_ops, logprob_head())
@@ -227,4 +233,4 @@ def run(
     return records
 
 
-__all__ = ["MODES", "OP_GROUPS", "run", "use_ops"]
+__all__ = ["MODES", "OP_GROUPS", "reduced_setup", "run", "use_ops"]
