@@ -3,8 +3,8 @@ per-row result does not depend on how many tokens the expert got: `ops.linear.ex
 expert on cpu (the copies combined per token in the order of its top-k slots by elementwise operations,
 the reference's gradient recomputed in backward); on devices the Triton grouped GEMM in fixed tiles
 (`exact_rows_configs`: one config for training sizes, fast mode's decode config at decode sizes where the
-device gives both the same bits), inside the fast expert MLP where F.grouped_mm serves its backward (bf16 on cuda), else with the
-fast form's gradient recomputed.
+device gives both the same bits), inside the fast expert MLP where F.grouped_mm serves its backward (bf16
+on cuda), else with the fast form's gradient recomputed.
 """
 
 from __future__ import annotations

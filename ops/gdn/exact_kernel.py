@@ -20,7 +20,7 @@ from .step_kernel import STEP_CONFIGS
 
 # One config for every use (a token's sums over K follow the tile's layout across threads): the fast
 # one-token step's, the fastest at a decode step's shape, so exact mode's decode step runs at its speed.
-CONFIG = dict(STEP_CONFIGS[0])
+CONFIG = STEP_CONFIGS[0]
 MAX_K = 128  # the whole K of a state tile lives in one program (Ascend: K/V tiles <= 128)
 MAX_SHAPES = ({"N": 4096, "HV": 64, "K": 128, "V": 128},)
 
