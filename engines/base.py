@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -60,7 +59,6 @@ from verl_moe.ops import device
 from verl_moe.ops.common import runtime
 
 logger = logging.getLogger(__name__)
-logger.setLevel(os.environ.get("VERL_LOGGING_LEVEL", "INFO").upper())  # as the rollout's: verl's root handler prints it
 
 
 class _ModeCtx(BaseEngineCtx):
@@ -353,17 +351,18 @@ class MoeEngineBase(BaseEngine):
             )
         _read_losses(outputs)
         result = postprocess_batch_func(outputs, indices, data)  # model outputs back in the batch's order
-        # the engine's own share of verl's timing_s/old_log_prob, ref and update_actor (the rest is verl's
-        # dispatch and TransferQueue)
-        device.synchronize()
-        logger.info(
-            "verl_moe engine: %s of %d sequences (%d tokens, %d micro-batches) in %.3f s",
-            "forward" if forward_only else "forward + backward",
-            len(lengths),
-            sum(lengths),
-            len(indices),
-            time.perf_counter() - start,
-        )
+        if logger.isEnabledFor(logging.INFO):
+            # the engine's own share of verl's timing_s/old_log_prob, ref and update_actor (the rest is verl's
+            # dispatch and TransferQueue); the wait is only for the log line
+            device.synchronize()
+            logger.info(
+                "verl_moe engine: %s of %d sequences (%d tokens, %d micro-batches) in %.3f s",
+                "forward" if forward_only else "forward + backward",
+                len(lengths),
+                sum(lengths),
+                len(indices),
+                time.perf_counter() - start,
+            )
         return result
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> dict:

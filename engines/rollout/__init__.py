@@ -18,7 +18,6 @@ prints warnings only).
 """
 
 import logging
-import os
 
 from .config import ROLLOUT_NAME, RolloutOptions
 
@@ -36,7 +35,6 @@ if not _logger.handlers:
     _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     _handler.addFilter(_WithoutRootHandler())
     _logger.addHandler(_handler)
-    _logger.setLevel(os.environ.get("VERL_LOGGING_LEVEL", "INFO").upper())
 
 ADAPTER_FQN = "verl_moe.engines.rollout.adapter.MoeRolloutAdapter"
 
