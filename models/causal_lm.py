@@ -351,6 +351,7 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
         gdn_step=pick("gdn.step", linear),
         conv1d=pick("conv1d", linear),
         conv1d_step=pick("conv1d.step", linear),
+        exact=ops.exact,
     )
 
 

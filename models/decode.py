@@ -28,7 +28,7 @@ import torch
 
 from ..ops.device import to_device
 from .causal_lm import MoeCausalLM
-from .layers import Experts
+from .layers import Experts, join_projections
 
 
 @dataclass
@@ -118,6 +118,10 @@ class MoeDecoder:
     tokens for slots [0, B) (the active slots advance in place). Logits as `MoeCausalLM.logits` gives
     them. Each token mixer's prefill and step are its own (`Attention.prefill` / `.step`,
     `GatedDeltaNet.prefill` / `.step`), on the ops the model resolved at build.
+
+    The decoder joins each layer's projections of one input into one weight tensor (`join_projections`;
+    the parameters stay, as views of it): a decode step then runs one product per input instead of up to
+    four narrow ones. An optimizer of the model must be made after the decoder.
     """
 
     def __init__(self, model: MoeCausalLM):
@@ -125,6 +129,7 @@ class MoeDecoder:
             raise ValueError("decoding needs a model without sequence parallelism")
         if any(isinstance(m, Experts) and m.expert_parallel is not None for m in model.modules()):
             raise ValueError("decoding needs a model without expert parallelism")
+        join_projections(model)
         self.model = model
         self.arch = model.arch
         self.dtype = next(model.parameters()).dtype

@@ -46,6 +46,7 @@ class ResolvedOps:
     gdn_step: Callable | None = None
     conv1d: Callable | None = None
     conv1d_step: Callable | None = None
+    exact: bool = False  # exact mode (`OpsConfig.exact`): `project_jointly` then always runs one product
 
 
 class Linear(nn.Linear):
@@ -58,6 +59,69 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
+
+
+def project_jointly(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
+    """x [..., K] through projections of that one input (a layer's `joint_projections`): their outputs, in order.
+
+    One product serves them all where their weights are consecutive rows of one tensor (`join_projections`,
+    done for a decoder's model: a decode step's narrow projections, e.g. GatedDeltaNet's beta and decay heads,
+    then ride in the wide one's tiles instead of leaving most of the device idle) and, in exact mode,
+    everywhere: over their concatenation where not joined (the trainer), so the trainer's product has the
+    rollout's width and with it the same tiles and bits. Otherwise (fast mode's training, adapters) each
+    projection runs its own product."""
+    if any(type(linear) is not Linear for linear in linears):  # adapters (models/lora.py) add their own terms
+        return [linear(x) for linear in linears]
+    ops = linears[0].ops
+    biases = [linear.bias for linear in linears]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return [linear(x) for linear in linears]
+    weights = [linear.weight for linear in linears]
+    weight = None
+    if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):  # a view of rows has no gradient
+        weight = joined_weight(weights)
+    if weight is None and ops.exact:
+        weight = torch.cat(weights)
+    if weight is None:
+        return [linear(x) for linear in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return list(ops.linear(x, weight, bias).split([w.shape[0] for w in weights], dim=-1))
+
+
+def joined_weight(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [sum of N, K] tensor whose consecutive rows are `weights` ([N_i, K] each), where they are stored so
+    (`join_projections`), else None."""
+    first = weights[0]
+    if any(isinstance(w, DTensor) or w.device.type == "meta" for w in weights):
+        return None
+    base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != base or w.storage_offset() != offset:
+            return None
+        if w.dtype != first.dtype or w.shape[1:] != first.shape[1:]:
+            return None
+        offset += w.numel()
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+
+
+@torch.no_grad()
+def join_projections(model: nn.Module) -> None:
+    """Store each layer's projections of one input (every module's `joint_projections`: names of `Linear`
+    submodules) as consecutive rows of one tensor, so that `project_jointly` runs them as one product. The
+    parameters keep their names, shapes and values and become views of that tensor: loading weights into them
+    (`copy_`) fills it. Only the module's own parameter objects change: an optimizer made before holds the old
+    ones. Groups already joined, with adapters, or of DTensors are left as they are."""
+    for module in model.modules():
+        for names in getattr(module, "joint_projections", ()):
+            linears = [module.get_submodule(name) for name in names]
+            if any(type(linear) is not Linear for linear in linears):
+                continue
+            weights = [linear.weight for linear in linears]
+            if any(isinstance(w, DTensor) for w in weights) or joined_weight(weights) is not None:
+                continue
+            joined = torch.cat(weights)
+            for linear, rows in zip(linears, joined.split([w.shape[0] for w in weights])):
+                linear.weight = nn.Parameter(rows, requires_grad=linear.weight.requires_grad)
 
 
 class RMSNorm(nn.Module):
@@ -91,6 +155,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal GQA with per-head q/k RMSNorm, (partial) RoPE and, for Qwen3.5, a sigmoid output gate
     emitted by q_proj (per head: K query features, then K gate features)."""
+
+    joint_projections = (("q_proj", "k_proj", "v_proj"),)
 
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
@@ -132,13 +198,14 @@ class Attention(nn.Module):
         """x [B, T, D] -> q [B, T, H, K], k / v [B, T, HKV, K] after the norms and rope, and the output
         gate [B, T, H, K] (None without one)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, -1)
+        q, k, v = project_jointly(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.num_heads, -1)
         gate = None
         if self.output_gate:
             q, gate = q.split(self.head_dim, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, cos, sin)
         return q, k, v, gate
 
@@ -203,6 +270,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]."""
 
+    joint_projections = (("gate_proj", "up_proj"),)
+
     def __init__(self, hidden_size: int, intermediate_size: int, ops: ResolvedOps, factory: dict):
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, False, ops, factory)
@@ -210,7 +279,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, False, ops, factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(*project_jointly(x, self.gate_proj, self.up_proj))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) from the gate and up projections."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DenseMLP(MLP):
@@ -320,6 +393,8 @@ class MoeBlock(nn.Module):
     collectives need the same number of calls on every rank, and the ranks' token counts differ.
     """
 
+    joint_projections: tuple[tuple[str, ...], ...] = ()
+
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
         self.gate = TopKRouter(arch, ops, factory)
@@ -327,6 +402,8 @@ class MoeBlock(nn.Module):
         if arch.shared_expert_intermediate_size > 0:
             self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size, ops, factory)
             self.shared_expert_gate = Linear(arch.hidden_size, 1, False, ops, factory)
+            # the shared expert's gate and up projections and its scalar gate: one product (`project_jointly`)
+            self.joint_projections = (("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate"),)
         else:
             self.shared_expert = None
         self.checkpoint_tile_tokens: int = 0
@@ -357,7 +434,9 @@ class MoeBlock(nn.Module):
         logits, topk_weight, topk_idx = self.gate(flat, rows)
         out = self.experts(flat, topk_idx, topk_weight)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert
+            gate, up, scale = project_jointly(flat, shared.gate_proj, shared.up_proj, self.shared_expert_gate)
+            out = out + torch.sigmoid(scale) * shared.down(gate, up)
         return out, logits
 
 

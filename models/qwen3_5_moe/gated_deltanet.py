@@ -28,7 +28,7 @@ from ...ops.conv1d.step import conv1d_state_from_prefill
 from ...ops.device import to_device
 from ...ops.varlen import HostOffsets, host_values, offsets_tensor
 from ..arch import ArchConfig
-from ..layers import Linear, ResolvedOps, RMSNorm
+from ..layers import Linear, ResolvedOps, RMSNorm, project_jointly
 
 if TYPE_CHECKING:
     from ..process_groups import UlyssesGroup
@@ -73,6 +73,8 @@ def tile_span(bounds: list[int], start: int, stop: int, context: int) -> TileSpa
 
 class GatedDeltaNet(nn.Module):
     """Linear-attention token mixer; parameter names equal transformers' `Qwen3_5MoeGatedDeltaNet`."""
+
+    joint_projections = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),)
 
     def __init__(self, arch: ArchConfig, ops: ResolvedOps, factory: dict):
         super().__init__()
@@ -160,11 +162,10 @@ class GatedDeltaNet(nn.Module):
         gdn_offsets the T tokens. Returns (output [B, T, D], the recurrence's final state per sequence
         or None)."""
         (conv_cu, conv_cu_cpu), (gdn_cu, gdn_cu_cpu) = conv_offsets, gdn_offsets
-        mixed_qkv = self.in_proj_qkv(x)  # [B, P + T, C]: q | k | v channels
-        x = x[:, prefix:]
-        B, T, _ = x.shape
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, HV]
+        mixed_qkv, z, b, a = self.project(x)  # [B, P + T, C]: q | k | v channels
+        z, b, a = z[:, prefix:], b[:, prefix:], a[:, prefix:]  # [B, T, HV * V], [B, T, HV] x 2
+        B, T = z.shape[:2]
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         conv_weight, A_log, dt_bias = self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
         if self.sequence_parallel is not None:
             # the conv and the recurrence need whole sequences: trade tokens for heads
@@ -192,6 +193,11 @@ class GatedDeltaNet(nn.Module):
         if self.sequence_parallel is not None:
             o = self.sequence_parallel.heads_to_seq(o)
         return self.out_proj(o.reshape(B, T, self.value_dim)), final
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., D] -> the conv's input [..., C], z [..., HV * V], b and a [..., HV]: one product where the
+        weights are joined or in exact mode (`project_jointly`)."""
+        return project_jointly(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def split_qkv(self, qkv: torch.Tensor, HV: int | None = None):
         """Conv output [..., C] of HV value heads (default all) and the matching key heads -> q, k
@@ -221,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         the rule starts from its slot's state. Writes the slots' states; returns [1, T, D]."""
         B, T, _ = x.shape
         cu, cu_cpu = offsets
-        mixed_qkv = self.in_proj_qkv(x)
+        mixed_qkv, z, b, a = self.project(x)
         conv_weight = self.conv1d.weight.squeeze(1)
         initial_state = None
         if starts is not None:
@@ -239,7 +245,7 @@ class GatedDeltaNet(nn.Module):
         if starts is not None:  # back to the chunks' own tokens and offsets
             qkv, (cu, cu_cpu) = qkv[:, keep], offsets
         q, k, v = self.split_qkv(qkv)
-        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))
+        g, beta = self.gates(a, b)
         o, final = self.ops.gdn(
             q,
             k,
@@ -254,17 +260,17 @@ class GatedDeltaNet(nn.Module):
             cu_seqlens_cpu=cu_cpu,
         )
         cache.recurrent[slot_index] = final.to(cache.recurrent.dtype)
-        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim))
+        o = self.norm(o, gate=z.reshape(B, T, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, self.value_dim))
 
     def step(self, x, cache, active) -> torch.Tensor:
         """One token per slot [0, B): x [B, 1, D]; the conv and recurrent states of the active rows
         advance in place, inactive rows keep theirs. Returns [B, 1, D]."""
         B = x.shape[0]
-        x = x[:, 0]  # [B, D]
-        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))
-        o = self._step_states(self.in_proj_qkv(x), g, beta, cache.conv[:B], cache.recurrent[:B], active)
-        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, self.num_v_heads, self.head_v_dim))
+        mixed, z, b, a = self.project(x[:, 0])  # [B, C], [B, HV * V], [B, HV] x 2
+        g, beta = self.gates(a, b)
+        o = self._step_states(mixed, g, beta, cache.conv[:B], cache.recurrent[:B], active)
+        o = self.norm(o, gate=z.reshape(B, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, 1, self.value_dim))
 
     def step_positions(self, x, cache, active) -> tuple[torch.Tensor, tuple]:
@@ -272,12 +278,12 @@ class GatedDeltaNet(nn.Module):
         conv and recurrent state steps through the T positions, the cache keeps its own (`advance_positions`
         commits the positions kept). Returns ([B, T, D], the steps' inputs for `advance_positions`)."""
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x)  # [B, T, C]
-        g, beta = self.gates(self.in_proj_a(x), self.in_proj_b(x))  # [B, T, HV]
+        mixed, z, b, a = self.project(x)  # [B, T, C], [B, T, HV * V], [B, T, HV] x 2
+        g, beta = self.gates(a, b)  # [B, T, HV]
         conv, recurrent = cache.conv[:B].clone(), cache.recurrent[:B].clone()
         steps = [self._step_states(mixed[:, t], g[:, t], beta[:, t], conv, recurrent, active) for t in range(T)]
         o = torch.stack(steps, 1)  # [B, T, HV, V]
-        o = self.norm(o, gate=self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim))
+        o = self.norm(o, gate=z.reshape(B, T, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, self.value_dim)), (mixed, g, beta)
 
     def advance_positions(self, inputs: tuple, cache, active, kept) -> None:

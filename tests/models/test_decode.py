@@ -14,7 +14,9 @@ import pytest
 import torch
 import verl_moe.models as vm
 from tiny_models import randomize_norms, tiny_qwen3_5_moe_text, tiny_qwen3_moe
+from verl_moe.engines.rollout.weights import load_named_tensors
 from verl_moe.models.decode import LinearCache, MoeDecoder
+from verl_moe.models.layers import joined_weight
 from verl_moe.ops.compare import assert_rel_rms
 from verl_moe.ops.conv1d import causal_conv1d_ref
 from verl_moe.ops.conv1d.step import causal_conv1d_step_ref, conv1d_state_from_prefill
@@ -70,6 +72,36 @@ def test_decode_matches_full_forward(make_config):
         assert (lp - lp_ref).abs().max().item() <= 1e-5
         # greedy decoding picks the full forward's argmax at every position
         assert torch.equal(tokens[n], ref.argmax(-1))
+
+
+@pytest.mark.parametrize("make_config", [tiny_qwen3_5_moe_text, tiny_qwen3_moe], ids=["qwen3_5_moe", "qwen3_moe"])
+def test_joined_projections_keep_the_weights_and_follow_loads(make_config):
+    """The decoder joins each layer's projections of one input (`join_projections`): parameter names and values
+    stay, each group's weights become consecutive rows of one tensor, and weights loaded afterwards as the rollout
+    loads them (copied into the parameters) reach the joined products: the decoder then gives the logits of an
+    unjoined model holding those weights."""
+    model = _model(make_config())
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    decoder = MoeDecoder(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    groups = [
+        [module.get_submodule(name).weight for name in names]
+        for module in model.modules()
+        for names in getattr(module, "joint_projections", ())
+    ]
+    assert groups and all(joined_weight(weights) is not None for weights in groups)
+
+    new = copy.deepcopy(_model(make_config()))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    load_named_tensors(model, new.state_dict().items())
+    tokens, logits = _greedy(decoder, PROMPTS, NEW_TOKENS)
+    full = _full_forward_logits(new, [p + tokens[n].tolist() for n, p in enumerate(PROMPTS)])
+    for n, p in enumerate(PROMPTS):
+        assert_rel_rms(f"logits seq {n}", full[n][len(p) - 1 : len(p) - 1 + NEW_TOKENS], logits[n], 1e-5)
 
 
 def test_decode_with_the_triton_attention_step_matches_full_forward(monkeypatch):
