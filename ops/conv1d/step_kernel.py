@@ -35,6 +35,7 @@ def _conv1d_step_kernel(
     active,
     N,
     C,
+    s_xn,
     W: tl.constexpr,
     BW: tl.constexpr,
     BC: tl.constexpr,
@@ -53,7 +54,7 @@ def _conv1d_step_kernel(
         i_n, i_c = i_t // NC, i_t % NC
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
-        b_x = tl.load(x + i_n.to(tl.int64) * C + o_c, mask=m_c, other=0.0)
+        b_x = tl.load(x + i_n.to(tl.int64) * s_xn + o_c, mask=m_c, other=0.0)
         p_s0 = i_n.to(tl.int64) * C * (W - 1) + o_c * (W - 1)  # each channel's oldest state column
         p_s = p_s0[:, None] + o_w[None, :]
         m_s = m_c[:, None] & (o_w[None, :] < W - 1)
@@ -112,8 +113,10 @@ def causal_conv1d_step_triton(
         raise ValueError(f"the Triton conv1d step needs a conv width >= 2, got {W}")
     if inplace and not conv_state.is_contiguous():
         raise ValueError("an in-place step needs a contiguous conv_state")
-    x, state, weight = x.contiguous(), conv_state.contiguous(), weight.contiguous()
-    out = torch.empty_like(x)
+    # x may be a column slice of a joined projection (row stride above C): read in place, not copied
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    state, weight = conv_state.contiguous(), weight.contiguous()
+    out = torch.empty(N, C, dtype=x.dtype, device=x.device)
     new_state = state if inplace else torch.empty_like(state)
     if active is not None and not inplace:
         new_state.copy_(state)  # inactive rows keep theirs: the kernel skips their stores
@@ -135,6 +138,7 @@ def causal_conv1d_step_triton(
         active=active.contiguous().view(torch.uint8) if active is not None else x,  # never read without HAS_ACTIVE
         N=N,
         C=C,
+        s_xn=x.stride(0),
         W=W,
         BW=next_pow2(W),
         HAS_BIAS=bias is not None,
