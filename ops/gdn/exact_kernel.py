@@ -39,6 +39,9 @@ def _gdn_rows_kernel(
     seq_len,
     scale,
     N,
+    s_q,
+    s_k,
+    s_v,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -48,7 +51,8 @@ def _gdn_rows_kernel(
     USE_QK_L2NORM: tl.constexpr,
     INPLACE: tl.constexpr,
 ):
-    """Rows q, k [T, H, K], v [T, HV, V], g, beta [T, HV], o [T, HV, V]; sequence n is rows
+    """Rows q, k [T, H, K], v [T, HV, V] (row strides s_q, s_k, s_v, each row's heads contiguous), g, beta
+    [T, HV], o [T, HV, V]; sequence n is rows
     seq_start[n] + [0, seq_len[n]) with state state_in[n] [HV, K, V] fp32 before and state_out[n] after
     (INPLACE: state_out is state_in, a tile read before its only write; else every tile is written)."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
@@ -70,15 +74,15 @@ def _gdn_rows_kernel(
         row0 = tl.load(seq_start + i_n).to(tl.int64)
         for t in range(0, n_t):
             row = row0 + t
-            p_qk = (row * H + i_h) * K + o_k
-            b_q = tl.load(q + p_qk, mask=m_k, other=0.0).to(tl.float32)
-            b_k = tl.load(k + p_qk, mask=m_k, other=0.0).to(tl.float32)
+            p_qk = i_h * K + o_k
+            b_q = tl.load(q + row * s_q + p_qk, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(k + row * s_k + p_qk, mask=m_k, other=0.0).to(tl.float32)
             if USE_QK_L2NORM:
                 b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
                 b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
             b_q = b_q * scale
             p_hv = row * HV + i_hv
-            b_v = tl.load(v + p_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_v = tl.load(v + row * s_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_s = b_s * tl.exp(tl.load(g + p_hv).to(tl.float32))
             b_u = tl.load(beta + p_hv).to(tl.float32) * (b_v - tl.sum(b_s * b_k[:, None], 0))
             b_s = b_s + b_k[:, None] * b_u[None, :]
@@ -127,7 +131,9 @@ def gated_delta_rule_rows_triton(
         raise ValueError(f"the Triton exact gated delta rule computes in fp32, got v {v.dtype}, state {state.dtype}")
     if inplace and not state.is_contiguous():
         raise ValueError("an in-place step needs a contiguous state")
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    # q, k, v may be head slices of one conv output (a row stride above their width): read in place
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
     state_in = state.contiguous()
     state_out = state_in if inplace else torch.empty_like(state_in)
     o = torch.zeros(T, HV, V, dtype=v.dtype, device=v.device)
@@ -150,6 +156,9 @@ def gated_delta_rule_rows_triton(
             seq_len=seq_len.contiguous(),
             scale=float(scale),
             N=N,
+            s_q=q.stride(0),
+            s_k=k.stride(0),
+            s_v=v.stride(0),
             H=H,
             HV=HV,
             K=K,

@@ -93,13 +93,16 @@ def test_attention_rows_kernel_packed_equals_decode_slots(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_rows_kernel_sequences_equal_token_steps(dtype):
     """The kernel over packed sequences gives each token the output (and each sequence the final state) of
-    stepping it one token per call from the same state, bitwise; values match the chunked reference."""
+    stepping it one token per call from the same state, bitwise; values match the chunked reference. The
+    packed call reads q, k, v as the model hands them, head slices of one conv output (strided rows); the
+    steps read contiguous copies."""
     torch.manual_seed(2)
     H, HV, K, V = 2, 4, 32, 48
     lengths = [3, 1, 9]
     T, N = sum(lengths), len(lengths)
-    q, k = _randn(T, H, K, dtype=dtype), _randn(T, H, K, dtype=dtype)
-    v = _randn(T, HV, V, dtype=dtype)
+    qkv = _randn(T, 2 * H * K + HV * V, dtype=dtype)
+    q, k, v = (t.unflatten(-1, (-1, d)) for t, d in zip(qkv.split([H * K, H * K, HV * V], -1), (K, K, V)))
+    assert not q.is_contiguous()
     g = -torch.rand(T, HV, device=DEV).to(dtype)
     beta = torch.rand(T, HV, device=DEV).to(dtype)
     state0 = _randn(N, HV, K, V, scale=0.1)
