@@ -34,6 +34,9 @@ def _gdn_step_fwd_kernel(
     active,
     scale,
     N,
+    s_q,
+    s_k,
+    s_v,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -43,7 +46,8 @@ def _gdn_step_fwd_kernel(
     USE_QK_L2NORM: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
 ):
-    """One tile = (sequence, value head, block of BV value columns): its state S [K, BV] is read,
+    """q, k [N, H, K], v [N, HV, V] with row strides s_q, s_k, s_v (each row's heads contiguous).
+    One tile = (sequence, value head, block of BV value columns): its state S [K, BV] is read,
     decayed, delta-updated with this token's k/v, read out with q and written once (not at all for
     an inactive sequence). new_state may be state itself: a tile is read before it is written and
     no other tile reads it. 1-D grid of min(N * HV * cdiv(V, BV), 65535) programs, each looping
@@ -58,14 +62,14 @@ def _gdn_step_fwd_kernel(
         i_h = i_hv // (HV // H)
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_qk = (i_n * H + i_h).to(tl.int64) * K + o_k
-        b_q = tl.load(q + p_qk, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_qk, mask=m_k, other=0.0).to(tl.float32)
+        p_qk = i_h * K + o_k
+        b_q = tl.load(q + i_n.to(tl.int64) * s_q + p_qk, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_n.to(tl.int64) * s_k + p_qk, mask=m_k, other=0.0).to(tl.float32)
         if USE_QK_L2NORM:
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
         b_q = b_q * scale
-        b_v = tl.load(v + i_nh.to(tl.int64) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_v = tl.load(v + i_n.to(tl.int64) * s_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + i_nh).to(tl.float32)
         b_beta = tl.load(beta + i_nh).to(tl.float32)
         p_s = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -120,8 +124,10 @@ def gated_delta_rule_step_triton(
         raise ValueError(f"the Triton gdn step holds K <= {MAX_K} per program, got K={K}")
     if inplace and not state.is_contiguous():
         raise ValueError("an in-place step needs a contiguous state")
-    q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
-    o = torch.empty_like(v)
+    # q, k, v may be head slices of one conv output (a row stride above their width): read in place
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    g, beta, state = (t.contiguous() for t in (g, beta, state))
+    o = torch.empty(N, HV, V, dtype=v.dtype, device=v.device)
     new_state = state if inplace else torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device)
     if active is not None and not inplace:
         new_state.copy_(state)  # inactive rows keep theirs: the kernel skips their stores
@@ -146,6 +152,9 @@ def gated_delta_rule_step_triton(
         active=active.contiguous().view(torch.uint8) if active is not None else o,  # never read without HAS_ACTIVE
         scale=K**-0.5 if scale is None else float(scale),
         N=N,
+        s_q=q.stride(0),
+        s_k=k.stride(0),
+        s_v=v.stride(0),
         H=H,
         HV=HV,
         K=K,

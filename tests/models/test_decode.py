@@ -337,6 +337,24 @@ def test_gdn_step_triton_equals_fp64_reference(dtype, tol, l2norm, shape):
     assert_rel_rms("triton step state", state_ref, state, tol)
 
 
+def test_gdn_step_triton_reads_strided_head_slices():
+    """q, k, v handed as head slices of one row tensor (as the decoder splits its conv output: a row stride
+    above their width) give bitwise the step of contiguous copies (interpreter on CPU)."""
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_step_triton
+
+    N, H, HV, K, V = 3, 2, 4, 16, 8
+    q, k, v, g, beta, s0 = _gdn_inputs(N, 1, H, HV, K, V, torch.float32)
+    row = torch.cat([q[:, 0].flatten(1), k[:, 0].flatten(1), v[:, 0].flatten(1)], 1)  # [N, C]
+    qs, ks, vs = row.split([H * K, H * K, HV * V], 1)
+    qs, ks, vs = qs.view(N, H, K), ks.view(N, H, K), vs.view(N, HV, V)
+    assert qs.stride(0) == row.shape[1] != H * K  # strided rows, read in place
+    o_ref, s_ref = gated_delta_rule_step_triton(
+        q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0.clone(), use_qk_l2norm_in_kernel=True
+    )
+    o, s = gated_delta_rule_step_triton(qs, ks, vs, g[:, 0], beta[:, 0], s0.clone(), use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
 @pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
 def test_gdn_step_in_place_with_inactive_rows(impl):
     """In place with an `active` mask: active rows get the out-of-place step's o and state (bitwise:
