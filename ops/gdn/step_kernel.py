@@ -48,8 +48,8 @@ def _gdn_step_fwd_kernel(
 ):
     """q, k [N, H, K], v [N, HV, V] with row strides s_q, s_k, s_v (each row's heads contiguous).
     One tile = (sequence, value head, block of BV value columns): its state S [K, BV] is read,
-    decayed, delta-updated with this token's k/v, read out with q and written once (not at all for
-    an inactive sequence). new_state may be state itself: a tile is read before it is written and
+    decayed, delta-updated with this token's k/v, read out with q and written once (neither read nor
+    written for an inactive sequence). new_state may be state itself: a tile is read before it is written and
     no other tile reads it. 1-D grid of min(N * HV * cdiv(V, BV), 65535) programs, each looping
     over tiles."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
@@ -74,14 +74,14 @@ def _gdn_step_fwd_kernel(
         b_beta = tl.load(beta + i_nh).to(tl.float32)
         p_s = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
+        if HAS_ACTIVE:  # an idle row's state is neither read nor written (its o is undefined)
+            keep = tl.zeros([BK, BV], dtype=tl.int32) + tl.load(active + i_n).to(tl.int32)  # a full mask block
+            m_s = m_s & (keep != 0)
         b_s = tl.load(state + p_s, mask=m_s, other=0.0).to(tl.float32) * tl.exp(b_g)
         b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0)
         tl.store(o + i_nh.to(tl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if HAS_ACTIVE:
-            keep = tl.zeros([BK, BV], dtype=tl.int32) + tl.load(active + i_n).to(tl.int32)  # a full mask block
-            m_s = m_s & (keep != 0)
         tl.store(new_state + p_s, b_s, mask=m_s)
 
 
