@@ -83,13 +83,11 @@ def _step_by_kernel(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel
     """The `gdn.step` op's contract by the exact kernel: N sequences of one token (none for an inactive row,
     whose state stays and whose output is zeros)."""
     check_gdn_step_inputs(q, k, v, g, beta, state, active, inplace)
-    N = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    rows = torch.arange(N, device=q.device)
-    count = torch.ones_like(rows) if active is None else active.long()
+    count = torch.ones(q.shape[0], dtype=torch.bool, device=q.device) if active is None else active
     if not inplace:
         state = state.float()
-    return gated_delta_rule_rows_triton(q, k, v, g, beta, state, rows, count, scale, use_qk_l2norm_in_kernel, inplace)
+    return gated_delta_rule_rows_triton(q, k, v, g, beta, state, None, count, scale, use_qk_l2norm_in_kernel, inplace)
 
 
 def _recurrent_by_kernel(

@@ -50,11 +50,14 @@ def _gdn_rows_kernel(
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     INPLACE: tl.constexpr,
+    ROW_PER_SEQ: tl.constexpr,
 ):
     """Rows q, k [T, H, K], v [T, HV, V] (row strides s_q, s_k, s_v, each row's heads contiguous), g, beta
     [T, HV], o [T, HV, V]; sequence n is rows
     seq_start[n] + [0, seq_len[n]) with state state_in[n] [HV, K, V] fp32 before and state_out[n] after
-    (INPLACE: state_out is state_in, a tile read before its only write; else every tile is written)."""
+    (INPLACE: state_out is state_in, a tile read before its only write; else every tile is written).
+    ROW_PER_SEQ (a decode step): sequence n is row n, seq_start is not read, seq_len[n] is 0 or 1 (any integer
+    or bool dtype) and a row of no token gets a zero output (o is not zero-filled first)."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     NV = tl.cdiv(V, BV)
     o_k = tl.arange(0, BK)
@@ -65,13 +68,18 @@ def _gdn_rows_kernel(
         i_h = i_hv // (HV // H)
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        n_t = tl.load(seq_len + i_n)
+        n_t = tl.load(seq_len + i_n).to(tl.int32)
         p_s = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
         if INPLACE:  # a sequence of no tokens (an idle slot of a decode step) neither reads nor writes its state
             m_s = m_s & (tl.zeros([BK, BV], dtype=tl.int32) + n_t > 0)
         b_s = tl.load(state_in + p_s, mask=m_s, other=0.0).to(tl.float32)
-        row0 = tl.load(seq_start + i_n).to(tl.int64)
+        if ROW_PER_SEQ:
+            row0 = i_n.to(tl.int64)
+            if n_t == 0:
+                tl.store(o + (row0 * HV + i_hv) * V + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=m_v)
+        else:
+            row0 = tl.load(seq_start + i_n).to(tl.int64)
         for t in range(0, n_t):
             row = row0 + t
             p_qk = i_h * K + o_k
@@ -113,7 +121,7 @@ def gated_delta_rule_rows_triton(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    seq_start: torch.Tensor,
+    seq_start: torch.Tensor | None,
     seq_len: torch.Tensor,
     scale: float,
     use_qk_l2norm_in_kernel: bool,
@@ -122,7 +130,8 @@ def gated_delta_rule_rows_triton(
     """Rows q, k [T, H, K], v [T, HV, V], g, beta [T, HV]; N sequences at rows seq_start[n] +
     [0, seq_len[n]) ([N] int tensors) with states state [N, HV, K, V] fp32. Returns o [T, HV, V] in v's
     dtype (rows no sequence covers are zeros) and the states after each sequence (written into `state`
-    when inplace, else a new tensor)."""
+    when inplace, else a new tensor). seq_start None: a decode step, sequence n is row n with seq_len[n]
+    (bool or 0 / 1) tokens: no offsets to build and no zero fill first."""
     T, H, K = q.shape
     N, HV, _, V = state.shape
     if K > MAX_K:
@@ -136,7 +145,12 @@ def gated_delta_rule_rows_triton(
     g, beta = g.contiguous(), beta.contiguous()
     state_in = state.contiguous()
     state_out = state_in if inplace else torch.empty_like(state_in)
-    o = torch.zeros(T, HV, V, dtype=v.dtype, device=v.device)
+    row_per_seq = seq_start is None
+    if row_per_seq:  # the kernel writes every row (zeros where seq_len is 0)
+        o, seq_start = torch.empty(T, HV, V, dtype=v.dtype, device=v.device), seq_len
+        seq_len = seq_len.contiguous().view(torch.uint8) if seq_len.dtype == torch.bool else seq_len
+    else:
+        o = torch.zeros(T, HV, V, dtype=v.dtype, device=v.device)
     if N:
         launch(
             _gdn_rows_kernel,
@@ -152,7 +166,7 @@ def gated_delta_rule_rows_triton(
             state_in=state_in,
             state_out=state_out,
             o=o,
-            seq_start=seq_start.contiguous(),  # one per sequence at n * 1
+            seq_start=seq_start.contiguous(),  # one per sequence at n * 1 (not read when ROW_PER_SEQ)
             seq_len=seq_len.contiguous(),
             scale=float(scale),
             N=N,
@@ -166,6 +180,7 @@ def gated_delta_rule_rows_triton(
             BK=next_pow2(K),
             USE_QK_L2NORM=use_qk_l2norm_in_kernel,
             INPLACE=inplace,
+            ROW_PER_SEQ=row_per_seq,
         )
     if inplace and state_out.data_ptr() != state.data_ptr():
         state.copy_(state_out)

@@ -93,9 +93,9 @@ def test_attention_rows_kernel_packed_equals_decode_slots(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_rows_kernel_sequences_equal_token_steps(dtype):
     """The kernel over packed sequences gives each token the output (and each sequence the final state) of
-    stepping it one token per call from the same state, bitwise; values match the chunked reference. The
-    packed call reads q, k, v as the model hands them, head slices of one conv output (strided rows); the
-    steps read contiguous copies."""
+    stepping it one token per call (the decode step's form: row n is sequence n) from the same state, bitwise;
+    values match the chunked reference. The packed call reads q, k, v as the model hands them, head slices of
+    one conv output (strided rows); the steps read contiguous copies."""
     torch.manual_seed(2)
     H, HV, K, V = 2, 4, 32, 48
     lengths = [3, 1, 9]
@@ -125,12 +125,15 @@ def test_gdn_rows_kernel_sequences_equal_token_steps(dtype):
     for t in range(max(lengths)):
         active = torch.tensor([t < n for n in lengths], device=DEV)
         rows = (starts + t).clamp(max=T - 1)
+        # a decode step's form: row n is sequence n, seq_len the active flags; an idle row's output is zeros
         step_o, state = gated_delta_rule_rows_triton(
-            *(x[rows] for x in (q, k, v, g, beta)), state, torch.arange(N, device=DEV), active.long(), 0.3, True
+            *(x[rows] for x in (q, k, v, g, beta)), state, None, active, 0.3, True
         )
         for n in range(N):
             if active[n]:
                 assert torch.equal(step_o[n], o[rows[n]]), (t, n)
+            else:
+                assert not step_o[n].any(), (t, n)
     assert torch.equal(state, final)
 
 
