@@ -355,6 +355,23 @@ def test_gdn_step_triton_reads_strided_head_slices():
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
 
 
+def test_gdn_step_triton_does_not_read_idle_rows():
+    """An idle row's state is not read (a decode step's state traffic follows the running requests): NaN in the
+    idle rows' states reaches neither their output nor any other row, and stays where it was."""
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_step_triton
+
+    q, k, v, g, beta, s0 = _gdn_inputs(4, 1, 2, 4, 16, 8, torch.float32)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    active = torch.tensor([True, False, True, False])
+    o_ref, s_ref = gated_delta_rule_step_triton(*args, s0.clone(), use_qk_l2norm_in_kernel=True)
+    state = s0.clone()
+    state[~active] = float("nan")
+    o, _ = gated_delta_rule_step_triton(*args, state, use_qk_l2norm_in_kernel=True, active=active, inplace=True)
+    assert torch.isfinite(o).all()
+    assert torch.equal(o[active], o_ref[active]) and torch.equal(state[active], s_ref[active])
+    assert state[~active].isnan().all()
+
+
 @pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
 def test_gdn_step_in_place_with_inactive_rows(impl):
     """In place with an `active` mask: active rows get the out-of-place step's o and state (bitwise:
