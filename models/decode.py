@@ -266,7 +266,7 @@ class MoeDecoder:
         lengths = state.lengths[:B]
         hidden = text.embed_tokens(tokens[:, None])  # [B, 1, D]
         cos, sin = text.rotary(lengths[:, None], hidden.dtype)
-        slots = self._kv_positions(lengths, state.capacity) if state.capacity is not None else None
+        slots = self._kv_positions(lengths, state.capacity, active) if state.capacity is not None else None
         caches = iter(state.layers)
 
         def mixer(layer, x):
@@ -321,12 +321,13 @@ class MoeDecoder:
         state.lengths[: kept.numel()] += torch.where(active, kept, 0)
 
     @staticmethod
-    def _kv_positions(lengths: torch.Tensor, capacity: int):
+    def _kv_positions(lengths: torch.Tensor, capacity: int, active: torch.Tensor):
         """What every attention layer of a step indexes its cache with, computed once per step: (rows
-        [B], the position each row writes [B], how many positions each row attends to [B])."""
+        [B], the position each row writes [B], how many positions each row attends to [B]: one for an idle
+        row, whose output is not used, so a step reads the caches of the running requests only)."""
         rows = torch.arange(lengths.numel(), device=lengths.device)
         at = lengths.clamp(max=capacity - 1)  # an idle slot may sit at capacity; it writes back what is there
-        return rows, at, at + 1
+        return rows, at, torch.where(active, at + 1, 1)
 
     # ---- the layer walk, shared by prefill and step -------------------------------------------
 

@@ -118,6 +118,26 @@ def test_decode_with_the_triton_attention_step_matches_full_forward(monkeypatch)
         assert_rel_rms(f"logits seq {n}", full[n][len(p) - 1 : len(p) - 1 + NEW_TOKENS], logits[n], 1e-5)
 
 
+def test_idle_slots_attention_reads_one_position(monkeypatch):
+    """A step's attention reads an idle slot's cache at one position only (the decode-attention kernel, whose
+    reads follow each row's count; interpreter on CPU): NaN in the rest of the idle slot's cache reaches
+    no logits, and the running slots' logits are those of a step without the idle slot poisoned."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
+    model = _model(tiny_qwen3_5_moe_text())
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(3, 16)
+    logits = decoder.prefill(PROMPTS, state, [0, 1, 2])
+    tokens, active = logits.argmax(-1), torch.tensor([True, False, True])
+    clean = decoder.step(tokens, copy.deepcopy(state), active)
+    for cache in state.layers:
+        if hasattr(cache, "k"):
+            cache.k[1, :, 1:], cache.v[1, :, 1:] = float("nan"), float("nan")
+    poisoned = decoder.step(tokens, state, active)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned[active], clean[active])
+
+
 def test_slots_step_independently_of_where_and_when_they_were_filled():
     """Sequences prefilled together into slots 0..2 step as the same sequences prefilled one by one
     into scattered slots of a larger state (idle slots between them, an inactive one among the
