@@ -76,8 +76,8 @@ def _gdn_rows_kernel(
         b_s = tl.load(state_in + p_s, mask=m_s, other=0.0).to(tl.float32)
         if ROW_PER_SEQ:
             row0 = i_n.to(tl.int64)
-            if n_t == 0:
-                tl.store(o + (row0 * HV + i_hv) * V + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=m_v)
+            m_idle = m_v & (tl.zeros([BV], dtype=tl.int32) + n_t == 0)  # a row of no token: zeros
+            tl.store(o + (row0 * HV + i_hv) * V + o_v, tl.zeros([BV], dtype=o.dtype.element_ty), mask=m_idle)
         else:
             row0 = tl.load(seq_start + i_n).to(tl.int64)
         for t in range(0, n_t):
@@ -146,6 +146,8 @@ def gated_delta_rule_rows_triton(
     state_in = state.contiguous()
     state_out = state_in if inplace else torch.empty_like(state_in)
     row_per_seq = seq_start is None
+    if row_per_seq and T != N:
+        raise ValueError(f"a decode step's form (seq_start None) takes one row per sequence, got {T} rows for {N}")
     if row_per_seq:  # the kernel writes every row (zeros where seq_len is 0)
         o, seq_start = torch.empty(T, HV, V, dtype=v.dtype, device=v.device), seq_len
         seq_len = seq_len.contiguous().view(torch.uint8) if seq_len.dtype == torch.bool else seq_len
