@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
+from .step import rows_of_contiguous_heads
 from .step_kernel import STEP_CONFIGS
 
 # One config for every use (a token's sums over K follow the tile's layout across threads): the fast
@@ -140,15 +141,14 @@ def gated_delta_rule_rows_triton(
         raise ValueError(f"the Triton exact gated delta rule computes in fp32, got v {v.dtype}, state {state.dtype}")
     if inplace and not state.is_contiguous():
         raise ValueError("an in-place step needs a contiguous state")
-    # q, k, v may be head slices of one conv output (a row stride above their width): read in place
-    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    q, k, v = rows_of_contiguous_heads(q, k, v)
     g, beta = g.contiguous(), beta.contiguous()
     state_in = state.contiguous()
     state_out = state_in if inplace else torch.empty_like(state_in)
     row_per_seq = seq_start is None
-    if row_per_seq and T != N:
-        raise ValueError(f"a decode step's form (seq_start None) takes one row per sequence, got {T} rows for {N}")
     if row_per_seq:  # the kernel writes every row (zeros where seq_len is 0)
+        if T != N:
+            raise ValueError(f"a decode step's form (seq_start None) takes one row per sequence, got {T} rows for {N}")
         o, seq_start = torch.empty(T, HV, V, dtype=v.dtype, device=v.device), seq_len
         seq_len = seq_len.contiguous().view(torch.uint8) if seq_len.dtype == torch.bool else seq_len
     else:

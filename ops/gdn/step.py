@@ -25,6 +25,13 @@ IMPLS = {
 }
 
 
+def rows_of_contiguous_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[rows, heads, dim] tensors as the step kernels read them: each row's heads contiguous, rows at any stride.
+    Head slices of one conv output (the decoder's q, k, v: a row stride above their width) pass as they are;
+    anything else is copied."""
+    return tuple(t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in tensors)
+
+
 def check_gdn_step_inputs(q, k, v, g, beta, state, active=None, inplace=False) -> None:
     """Raise ValueError for shapes or dtypes the step cannot take."""
     if q.dim() != 3 or k.shape != q.shape:

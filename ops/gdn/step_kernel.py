@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import cdiv, grid_1d, launch, next_pow2
-from .step import check_gdn_step_inputs
+from .step import check_gdn_step_inputs, rows_of_contiguous_heads
 
 # First: the fastest at a decode step's shape (256 rows x 32 heads x 128 x 128), the others slower in
 # the order listed (docs/ops.md, decode steps). It alone runs with an active mask (see the launch).
@@ -124,8 +124,7 @@ def gated_delta_rule_step_triton(
         raise ValueError(f"the Triton gdn step holds K <= {MAX_K} per program, got K={K}")
     if inplace and not state.is_contiguous():
         raise ValueError("an in-place step needs a contiguous state")
-    # q, k, v may be head slices of one conv output (a row stride above their width): read in place
-    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    q, k, v = rows_of_contiguous_heads(q, k, v)
     g, beta, state = (t.contiguous() for t in (g, beta, state))
     o = torch.empty(N, HV, V, dtype=v.dtype, device=v.device)
     new_state = state if inplace else torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device)
