@@ -692,7 +692,8 @@ def render(reports: dict[str, dict]) -> str:
             "seeds); the rollout's log-prob of each response token against the trainer's packed forward + head over "
             "the same sequences (micro-batches of <= 16,384 tokens), one process, one set of weights. Ratios divide "
             "exact by fast. Cost targets: decode <= 1.3x, train step <= 1.25x. The H100 row is the latest code (the "
-            "experts' decode tiles, one product per layer input); the H200 rows predate the fixed tiles.",
+            "experts' decode tiles, one product per layer input, the GDN steps that skip idle rows); the H200 rows "
+            "predate the fixed tiles.",
             exact_section(exact),
         ]
     if mtp:
