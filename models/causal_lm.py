@@ -349,8 +349,10 @@ def resolve_ops(ops: OpsConfig, arch: ArchConfig, dtype: torch.dtype) -> Resolve
         router_dtype=ops.router_torch_dtype(dtype),
         gdn=pick("gdn", linear),
         gdn_step=pick("gdn.step", linear),
+        gdn_positions=pick("gdn.positions", linear),
         conv1d=pick("conv1d", linear),
         conv1d_step=pick("conv1d.step", linear),
+        conv1d_positions=pick("conv1d.positions", linear),
         exact=ops.exact,
     )
 

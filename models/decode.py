@@ -284,8 +284,9 @@ class MoeDecoder:
     def verify(self, tokens: torch.Tensor, state: SlotState, active: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Feed T tokens to each of slots [0, B) at positions length .. length + T - 1 without advancing the
         slots: the attention layers write those positions' keys and values (a position at or past a slot's
-        length is never read), the GatedDeltaNet layers step copies of the slots' states. No value is read back
-        to the host and the shapes depend on (B, T) only.
+        length is never read), the GatedDeltaNet layers step through the slots' states without writing them
+        (one launch per op for all T positions). No value is read back to the host and the shapes depend on (B, T)
+        only.
 
         Args:
             tokens: [B, T] int token ids on the model's device; active: [B] bool (inactive rows: nothing written).
@@ -313,7 +314,7 @@ class MoeDecoder:
     def commit(self, steps: list, kept: torch.Tensor, state: SlotState, active: torch.Tensor) -> None:
         """Advance the active slots of [0, B) by kept[b] ([B] int64 on the device) of the positions `verify`
         fed them: the GatedDeltaNet layers step the slots' states through those positions by the steps
-        `verify` took on its copies, and the lengths grow by kept. No value is read back to the host."""
+        `verify` took (bitwise the same), and the lengths grow by kept. No value is read back to the host."""
         linear = [layer for layer in self.model.model.layers if layer.layer_type == "linear_attention"]
         caches = [cache for cache in state.layers if isinstance(cache, LinearCache)]
         for layer, cache, inputs in zip(linear, caches, steps, strict=True):

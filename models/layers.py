@@ -44,8 +44,10 @@ class ResolvedOps:
     router_dtype: torch.dtype
     gdn: Callable | None = None
     gdn_step: Callable | None = None
+    gdn_positions: Callable | None = None
     conv1d: Callable | None = None
     conv1d_step: Callable | None = None
+    conv1d_positions: Callable | None = None
     exact: bool = False  # exact mode (`OpsConfig.exact`): `project_jointly` then always runs one product
 
 
@@ -241,16 +243,19 @@ class Attention(nn.Module):
         """T tokens per row at `positions` [B, T] of its slot (speculative decoding): x [B, T, D]; row b's slot
         is slots[b] ([B] int64 on the device; default b). Each token's k / v go to the cache at its position
         where `active` ([B] per row, or [B, T] per token) holds, and each attends to its slot's positions up
-        to its own (`attention_decode` over B * T rows, a slot per row). Returns [B, T, D]."""
+        to its own (`attention_decode` over B * T rows, a slot per row; a token not active reads one position:
+        its output is undefined). Returns [B, T, D]."""
         B, T = positions.shape
         q, k, v, gate = self.project(x, cos, sin)  # [B, T, H | HKV, K]
         rows = (torch.arange(B, device=x.device) if slots is None else slots)[:, None].expand(B, T)
         at = positions.clamp(max=cache.k.shape[2] - 1)
-        keep = (active if active.dim() == 2 else active[:, None])[:, :, None, None]
+        live = (active if active.dim() == 2 else active[:, None]).expand(B, T)
+        keep = live[:, :, None, None]
         cache.k[rows, :, at] = torch.where(keep, k, cache.k[rows, :, at])
         cache.v[rows, :, at] = torch.where(keep, v, cache.v[rows, :, at])
+        seen = torch.where(live, at + 1, 1)  # an idle token's output is not used: it reads one position
         o = self.ops.attention_decode(
-            q.reshape(B * T, *q.shape[2:]), cache.k, cache.v, (at + 1).reshape(-1), self.head_dim**-0.5,
+            q.reshape(B * T, *q.shape[2:]), cache.k, cache.v, seen.reshape(-1), self.head_dim**-0.5,
             slots=rows.reshape(-1),
         )  # fmt: skip
         return self.output(o.view(B, T, *o.shape[1:]), gate)

@@ -269,40 +269,35 @@ class GatedDeltaNet(nn.Module):
         B = x.shape[0]
         mixed, z, b, a = self.project(x[:, 0])  # [B, C], [B, HV * V], [B, HV] x 2
         g, beta = self.gates(a, b)
-        o = self._step_states(mixed, g, beta, cache.conv[:B], cache.recurrent[:B], active)
+        weight = self.conv1d.weight.squeeze(1)
+        qkv, _ = self.ops.conv1d_step(mixed, cache.conv[:B], weight, None, "silu", active, inplace=True)
+        q, k, v = self.split_qkv(qkv)
+        o, _ = self.ops.gdn_step(q, k, v, g, beta, cache.recurrent[:B], None, True, active, inplace=True)
         o = self.norm(o, gate=z.reshape(B, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, 1, self.value_dim))
 
     def step_positions(self, x, cache, active) -> tuple[torch.Tensor, tuple]:
-        """T tokens per slot [0, B) (speculative decoding's verification): x [B, T, D]; a copy of each slot's
-        conv and recurrent state steps through the T positions, the cache keeps its own (`advance_positions`
-        commits the positions kept). Returns ([B, T, D], the steps' inputs for `advance_positions`)."""
+        """T tokens per slot [0, B) (speculative decoding's verification): x [B, T, D]; each active slot's conv and
+        recurrent state steps through the T positions without being written (`advance_positions` commits the
+        positions kept). Returns ([B, T, D], the steps' inputs for `advance_positions`)."""
         B, T, _ = x.shape
         mixed, z, b, a = self.project(x)  # [B, T, C], [B, T, HV * V], [B, T, HV] x 2
         g, beta = self.gates(a, b)  # [B, T, HV]
-        conv, recurrent = cache.conv[:B].clone(), cache.recurrent[:B].clone()
-        steps = [self._step_states(mixed[:, t], g[:, t], beta[:, t], conv, recurrent, active) for t in range(T)]
-        o = torch.stack(steps, 1)  # [B, T, HV, V]
+        counts = torch.where(active, T, 0)
+        qkv = self.ops.conv1d_positions(mixed, cache.conv[:B], self.conv1d.weight.squeeze(1), None, "silu", counts)
+        q, k, v = self.split_qkv(qkv)
+        o = self.ops.gdn_positions(q, k, v, g, beta, cache.recurrent[:B], None, True, counts)  # [B, T, HV, V]
         o = self.norm(o, gate=z.reshape(B, T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(B, T, self.value_dim)), (mixed, g, beta)
+        return self.out_proj(o.reshape(B, T, self.value_dim)), (mixed, q, k, v, g, beta)
 
     def advance_positions(self, inputs: tuple, cache, active, kept) -> None:
         """Step the cache's conv and recurrent states of slots [0, B) through the first kept[b] of the positions
         `step_positions` recorded (`inputs`), by the same steps; rows not active keep theirs."""
-        mixed, g, beta = inputs
-        conv, recurrent = cache.conv[: kept.numel()], cache.recurrent[: kept.numel()]
-        for t in range(mixed.shape[1]):
-            self._step_states(mixed[:, t], g[:, t], beta[:, t], conv, recurrent, active & (kept > t))
-
-    def _step_states(self, mixed, g, beta, conv, recurrent, active) -> torch.Tensor:
-        """One position per row [B]: the conv over the projection `mixed` [B, C] and the rule, `conv` and
-        `recurrent` advanced in place for the active rows. Returns the rule's output [B, HV, V]."""
-        qkv, _ = self.ops.conv1d_step(
-            mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu", active=active, inplace=True
-        )
-        q, k, v = self.split_qkv(qkv)
-        o, _ = self.ops.gdn_step(q, k, v, g, beta, recurrent, use_qk_l2norm_in_kernel=True, active=active, inplace=True)
-        return o
+        mixed, q, k, v, g, beta = inputs
+        B, counts = kept.numel(), torch.where(active, kept, 0)
+        weight = self.conv1d.weight.squeeze(1)
+        self.ops.conv1d_positions(mixed, cache.conv[:B], weight, None, "silu", counts, advance=True)
+        self.ops.gdn_positions(q, k, v, g, beta, cache.recurrent[:B], None, True, counts, advance=True)
 
     def _seq_to_heads(self, mixed_qkv, z, b, a):
         """Ulysses exchange of the token-wise projections: mixed_qkv [B, T/sp, C], z [B, T/sp, HV, V],

@@ -16,6 +16,7 @@ import torch
 from ..exact import by_device, device_default, exact_forward
 from ..varlen import HostOffsets, seq_bounds
 from .exact_kernel import gated_delta_rule_rows_triton
+from .positions import by_steps
 from .reference import check_gdn_inputs, chunk_gated_delta_rule_ref
 from .step import _keep_inactive, check_gdn_step_inputs
 
@@ -126,6 +127,8 @@ def _recurrent_by_kernel(
 
 # the dispatched "exact" step: the torch form on cpu, the exact kernel on devices
 gated_delta_rule_step_exact = by_device(gated_delta_rule_step_torch, _step_by_kernel)
+# several positions per row by the exact step (exact mode refuses speculation; this keeps the op complete)
+gated_delta_rule_positions_exact = by_steps(gated_delta_rule_step_exact)
 # the dispatched "exact" gated delta rule: token-by-token steps forward (torch on cpu, the exact kernel on
 # devices), the chunked form's gradient (the reference on cpu, the device's chunked kernels there)
 recurrent_gated_delta_rule_exact = exact_forward(
@@ -133,4 +136,9 @@ recurrent_gated_delta_rule_exact = exact_forward(
     by_device(chunk_gated_delta_rule_ref, device_default("gdn")),
 )
 
-__all__ = ["gated_delta_rule_step_exact", "gated_delta_rule_step_torch", "recurrent_gated_delta_rule_exact"]
+__all__ = [
+    "gated_delta_rule_positions_exact",
+    "gated_delta_rule_step_exact",
+    "gated_delta_rule_step_torch",
+    "recurrent_gated_delta_rule_exact",
+]

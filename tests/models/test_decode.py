@@ -138,6 +138,27 @@ def test_idle_slots_attention_reads_one_position(monkeypatch):
     assert torch.equal(poisoned[active], clean[active])
 
 
+def test_idle_slots_verification_attention_reads_one_position(monkeypatch):
+    """The speculative verification's attention (several positions per slot) reads an idle slot's cache at one
+    position only, as the step's does: NaN in the rest of its cache reaches no hidden state, and the running
+    slots' are those of a verification without the idle slot poisoned."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
+    model = _model(tiny_qwen3_5_moe_text())
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(3, 16)
+    logits = decoder.prefill(PROMPTS, state, [0, 1, 2])
+    tokens = torch.stack([logits.argmax(-1), logits.argmin(-1), logits.argmax(-1)], 1)  # [3, T=3]
+    active = torch.tensor([True, False, True])
+    clean, _ = decoder.verify(tokens, copy.deepcopy(state), active)
+    for cache in state.layers:
+        if hasattr(cache, "k"):
+            cache.k[1, :, 1:], cache.v[1, :, 1:] = float("nan"), float("nan")
+    poisoned, _ = decoder.verify(tokens, state, active)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned[active], clean[active])
+
+
 def test_slots_step_independently_of_where_and_when_they_were_filled():
     """Sequences prefilled together into slots 0..2 step as the same sequences prefilled one by one
     into scattered slots of a larger state (idle slots between them, an inactive one among the
@@ -416,6 +437,80 @@ def test_gdn_step_in_place_with_inactive_rows(impl):
         step(*args, s0.double(), inplace=True)
     with pytest.raises(ValueError, match="active must be"):
         step(*args, s0, active=active[:2])
+
+
+def _strided_heads(q, k, v):
+    """q, k [N, T, H, K], v [N, T, HV, V] as head slices of one [N, T, C] tensor (the decoder's conv output)."""
+    N, T = q.shape[:2]
+    rows = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], 2)
+    qs, ks, vs = rows.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], 2)
+    return qs.view(q.shape), ks.view(k.shape), vs.view(v.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_positions_triton_equals_successive_steps_bitwise(dtype):
+    """The positions kernel (interpreter on CPU) runs each row's first counts[n] positions from its state as
+    that many one-token step-kernel calls do, bitwise (o at those positions, the state it leaves), with q, k, v
+    read as strided head slices; without `advance` the state is not written."""
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_positions_triton, gated_delta_rule_step_triton
+
+    N, T, H, HV, K, V = 5, 3, 2, 4, 16, 40  # V over two BV blocks
+    q, k, v, g, beta, s0 = _gdn_inputs(N, T, H, HV, K, V, dtype)
+    s0 = s0.float()
+    counts = torch.tensor([0, 1, 2, 3, 3])
+    state = s0.clone()
+    outs = []
+    for t in range(T):
+        o_t, _ = gated_delta_rule_step_triton(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None, True, active=counts > t, inplace=True
+        )
+        outs.append(o_t)
+    o_steps = torch.stack(outs, 1)
+    qs, ks, vs = _strided_heads(q, k, v)
+    assert qs.stride(1) != H * K  # strided positions, read in place
+    kept = s0.clone()
+    o = gated_delta_rule_positions_triton(qs, ks, vs, g, beta, kept, use_qk_l2norm_in_kernel=True, counts=counts)
+    assert torch.equal(kept, s0)  # not advanced: not written
+    ran = torch.arange(T)[None] < counts[:, None]
+    assert torch.equal(o[ran], o_steps[ran])
+    o_adv = gated_delta_rule_positions_triton(qs, ks, vs, g, beta, kept, None, True, counts=counts, advance=True)
+    assert torch.equal(o_adv[ran], o_steps[ran]) and torch.equal(kept, state)
+    all_t = gated_delta_rule_positions_triton(q, k, v, g, beta, s0.clone(), None, True)  # counts None: every position
+    assert torch.equal(all_t[counts == T], o_steps[counts == T])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gdn_positions_idle_rows_untouched_and_torch_matches_fp64(impl):
+    """A row of 0 positions: NaN in its state reaches no other row and stays, advanced or not; the rows that
+    run match the fp64 recurrent reference over their positions (torch form at 1e-12 in fp64, both forms at 1e-6
+    in fp32)."""
+    from verl_moe.ops.gdn.positions import gated_delta_rule_positions
+    from verl_moe.ops.gdn.step_kernel import gated_delta_rule_positions_triton
+
+    positions = {"torch": gated_delta_rule_positions, "triton": gated_delta_rule_positions_triton}[impl]
+    N, T, H, HV, K, V = 4, 3, 2, 4, 16, 8
+    q, k, v, g, beta, s0 = _gdn_inputs(N, T, H, HV, K, V, torch.float64)
+    counts = torch.tensor([3, 0, 2, 3])
+    o_ref, s_ref = recurrent_gated_delta_rule_ref(
+        q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    _, s_ref2 = recurrent_gated_delta_rule_ref(
+        q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], initial_state=s0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    dtype, tol = (torch.float64, 1e-12) if impl == "torch" else (torch.float32, 1e-6)
+    args = [t.to(dtype) for t in (q, k, v, g, beta)]
+    state = s0.to(torch.float64 if impl == "torch" else torch.float32)
+    state[1] = float("nan")
+    o = positions(*args, state, None, True, counts=counts, advance=True)
+    full = counts == T
+    assert_rel_rms(f"{impl} positions o", o_ref[full], o[full], tol)
+    assert_rel_rms(f"{impl} positions o, 2 of 3", o_ref[2, :2], o[2, :2], tol)
+    assert_rel_rms(f"{impl} positions state", s_ref[full], state[full], tol)
+    assert_rel_rms(f"{impl} positions state, 2 of 3", s_ref2[2], state[2], tol)
+    assert torch.isfinite(o[counts > 0]).all() and state[1].isnan().all()
+    with pytest.raises(ValueError, match="counts must be"):
+        positions(*args, state, counts=counts[:2])
 
 
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -250,3 +250,141 @@ def test_gpu_qwen_shapes_match_fp64_and_are_deterministic(dtype):
     runs = [check_triton(1, lengths, 8192, dtype, bias=False) for _ in range(2)]
     (out, grads), (out2, grads2) = runs
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+# ---- several positions per sequence (`conv1d.positions`): T one-token steps in one call ----
+
+PN, PT, PC, PW = 5, 3, 48, 4
+COUNTS = [0, 1, PT - 1, PT, PT]  # a row that runs none, one, all but one, all
+DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16)}
+# x fp32 with a bf16 state: an earlier position's input must come back rounded, as the state held it
+MIXED = {**DTYPES, "fp32-x-bf16-state": (torch.float32, torch.bfloat16)}
+
+
+def positions_inputs(x_dtype, state_dtype, seed=0, bias=True):
+    """x [PN, PT, PC] as a column slice of a wider projection, weight, bias, state, counts."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(PN, PT, 3 * PC, generator=gen).to(DEV, x_dtype)
+    x = wide[..., PC : 2 * PC]
+    weight = (torch.randn(PC, PW, generator=gen) * 0.5).to(DEV, x_dtype)
+    b = (torch.randn(PC, generator=gen) * 0.1).to(DEV, x_dtype) if bias else None
+    state = torch.randn(PN, PC, PW - 1, generator=gen).to(DEV, state_dtype)
+    return x, weight, b, state, torch.tensor(COUNTS, device=DEV)
+
+
+def run_mask(counts, T=PT):
+    """[N, T] True at the positions a row runs."""
+    return torch.arange(T, device=counts.device)[None, :] < counts[:, None]
+
+
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["shipped-tiles", "16-channel-tiles"])
+@pytest.mark.parametrize("with_counts", [True, False], ids=["counts", "all"])
+@pytest.mark.parametrize("dtypes", MIXED.values(), ids=MIXED.keys())
+def test_positions_kernel_equals_successive_steps(dtypes, with_counts, small_tiles, monkeypatch, nan_poison):
+    """One launch over T positions gives bitwise what T one-token step launches give: the outputs at
+    the positions each row runs and the advanced state (x a strided column slice; 16-channel tiles
+    make C = 48 three channel blocks)."""
+    from verl_moe.ops.conv1d import step_kernel
+    from verl_moe.ops.conv1d.step_kernel import causal_conv1d_positions_triton, causal_conv1d_step_triton
+
+    if small_tiles:
+        monkeypatch.setattr(step_kernel, "STEP_CONFIGS", [{"BC": 16, "num_warps": 1}])
+    x, weight, b, s0, counts = positions_inputs(*dtypes)
+    if not with_counts:
+        counts = torch.full((PN,), PT, device=DEV)
+    state = s0.clone()
+    out = causal_conv1d_positions_triton(x, state, weight, b, counts=counts if with_counts else None, advance=True)
+    assert out.shape == (PN, PT, PC) and out.dtype == x.dtype
+    steps = s0.clone()
+    for t in range(PT):
+        active = counts > t
+        o, _ = causal_conv1d_step_triton(x[:, t], steps, weight, b, active=active, inplace=True)
+        assert torch.equal(out[active, t], o[active]), f"position {t}"
+    assert torch.equal(state, steps)
+    assert torch.equal(state[counts == 0], s0[counts == 0]) and not torch.equal(state[counts > 0], s0[counts > 0])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_positions_without_advance_and_idle_nan_row(impl):
+    """advance=False never writes the state; with advance, a row that runs no position and holds NaN
+    keeps its state bitwise (bf16 x over an fp32 state: a rewrite would round it) and changes nothing
+    in any other row."""
+    from verl_moe.ops.dispatch import resolve
+
+    positions = resolve("conv1d.positions", impl)
+    x, weight, b, s0, counts = positions_inputs(torch.bfloat16, torch.float32)
+    state = s0.clone()
+    out = positions(x, state, weight, b, counts=counts)
+    assert torch.equal(state, s0)
+    clean = s0.clone()
+    out_clean = positions(x, clean, weight, b, counts=counts, advance=True)
+    run = run_mask(counts)
+    assert torch.equal(out_clean[run], out[run])
+    assert torch.equal(clean[counts == 0], s0[counts == 0])  # kept bitwise, not rewritten
+    idle, others = 0, counts != 0
+    assert counts[idle] == 0
+    s_nan = s0.clone()
+    s_nan[idle] = float("nan")
+    state = s_nan.clone()
+    out_nan = positions(x, state, weight, b, counts=counts, advance=True)
+    assert not out_nan[others].isnan().any() and torch.equal(out_nan[others], out_clean[others])
+    assert torch.equal(state[others], clean[others])
+    assert torch.equal(state[idle].view(torch.int32), s_nan[idle].view(torch.int32))  # bitwise, NaN included
+
+
+def windows_fp64(x, state, weight, bias, counts):
+    """Each position's output from its explicit window of [state | x] in fp64, and the state after
+    counts[n] positions (the last W-1 inputs up to there)."""
+    seq = torch.cat([state.double(), x.double().transpose(1, 2)], dim=-1)  # [N, C, W-1+T], oldest first
+    W = weight.shape[1]
+    acc = torch.stack([(seq[..., t : t + W] * weight.double()).sum(-1) for t in range(x.shape[1])], dim=1)
+    if bias is not None:
+        acc = acc + bias.double()
+    new_state = torch.stack([seq[n, :, c : c + W - 1] for n, c in enumerate(counts.tolist())])
+    return F.silu(acc), new_state
+
+
+TORCH_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+TORCH_VS_TRITON_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
+def test_positions_torch_matches_fp64_windows_and_triton(dtypes, bias):
+    """The torch form against an fp64 computation of each position's window; the Triton and exact
+    forms against the torch form (outputs within tolerance at run positions, states bitwise)."""
+    from verl_moe.ops.dispatch import resolve
+
+    x, weight, b, s0, counts = positions_inputs(*dtypes, seed=1, bias=bias)
+    run = run_mask(counts)
+    ref_out, ref_state = windows_fp64(x, s0, weight, b, counts)
+    state = s0.clone()
+    out = resolve("conv1d.positions", "torch")(x, state, weight, b, counts=counts, advance=True)
+    assert out.dtype == x.dtype
+    assert_rel_rms("torch positions out", ref_out[run], out[run], TORCH_TOL[x.dtype])
+    assert torch.equal(state.double(), ref_state)  # the state holds inputs: no arithmetic
+    for impl in ("triton", "exact"):
+        other = s0.clone()
+        got = resolve("conv1d.positions", impl)(x, other, weight, b, counts=counts, advance=True)
+        assert_rel_rms(f"{impl} positions out", out[run], got[run], TORCH_VS_TRITON_TOL[x.dtype])
+        assert torch.equal(other, state), impl
+
+
+def test_positions_bad_inputs_raise():
+    from verl_moe.ops.conv1d.positions import causal_conv1d_positions_ref
+    from verl_moe.ops.conv1d.step_kernel import causal_conv1d_positions_triton
+
+    x, weight, b, s0, counts = positions_inputs(torch.float32, torch.float32)
+    for fn in (causal_conv1d_positions_ref, causal_conv1d_positions_triton):
+        with pytest.raises(ValueError, match=r"x must be \[N, T, C\]"):
+            fn(x[:, 0], s0, weight, b)
+        with pytest.raises(ValueError, match=r"conv_state must be"):
+            fn(x, s0[:-1], weight, b)
+        with pytest.raises(ValueError, match="counts must be"):
+            fn(x, s0, weight, b, counts=counts[:-1])
+        with pytest.raises(ValueError, match="counts must be"):
+            fn(x, s0, weight, b, counts=counts.float())
+        with pytest.raises(ValueError, match="contiguous"):
+            fn(x, s0.transpose(0, 1).contiguous().transpose(0, 1), weight, b, advance=True)
+    with pytest.raises(ValueError, match="fp32"):
+        causal_conv1d_positions_triton(x.double(), s0.double(), weight.double(), b.double())
