@@ -299,10 +299,11 @@ class MoeDecoder:
         hidden = text.embed_tokens(tokens)
         cos, sin = text.rotary(positions, hidden.dtype)
         caches, steps = iter(state.layers), []
+        counts = torch.where(active, T, 0)  # the positions each slot's GatedDeltaNet states step through
 
         def mixer(layer, x):
             if layer.layer_type == "linear_attention":
-                out, inputs = layer.linear_attn.step_positions(x, next(caches), active)
+                out, inputs = layer.linear_attn.step_positions(x, next(caches), counts)
                 steps.append(inputs)
                 return out
             return layer.self_attn.step_positions(x, cos, sin, next(caches), positions, active)
@@ -317,9 +318,10 @@ class MoeDecoder:
         `verify` took (bitwise the same), and the lengths grow by kept. No value is read back to the host."""
         linear = [layer for layer in self.model.model.layers if layer.layer_type == "linear_attention"]
         caches = [cache for cache in state.layers if isinstance(cache, LinearCache)]
+        kept = torch.where(active, kept, 0)
         for layer, cache, inputs in zip(linear, caches, steps, strict=True):
-            layer.linear_attn.advance_positions(inputs, cache, active, kept)
-        state.lengths[: kept.numel()] += torch.where(active, kept, 0)
+            layer.linear_attn.advance_positions(inputs, cache, kept)
+        state.lengths[: kept.numel()] += kept
 
     @staticmethod
     def _kv_positions(lengths: torch.Tensor, capacity: int, active: torch.Tensor):

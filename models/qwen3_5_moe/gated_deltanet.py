@@ -276,28 +276,27 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, gate=z.reshape(B, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, 1, self.value_dim))
 
-    def step_positions(self, x, cache, active) -> tuple[torch.Tensor, tuple]:
-        """T tokens per slot [0, B) (speculative decoding's verification): x [B, T, D]; each active slot's conv and
-        recurrent state steps through the T positions without being written (`advance_positions` commits the
-        positions kept). Returns ([B, T, D], the steps' inputs for `advance_positions`)."""
+    def step_positions(self, x, cache, counts) -> tuple[torch.Tensor, tuple]:
+        """T tokens per slot [0, B) (speculative decoding's verification): x [B, T, D]; slot b's conv and recurrent
+        state steps through its first counts[b] positions ([B] int on the device: T, or 0 for an idle slot) without
+        being written (`advance_positions` commits the positions kept). Returns ([B, T, D], the steps' inputs for
+        `advance_positions`)."""
         B, T, _ = x.shape
         mixed, z, b, a = self.project(x)  # [B, T, C], [B, T, HV * V], [B, T, HV] x 2
         g, beta = self.gates(a, b)  # [B, T, HV]
-        counts = torch.where(active, T, 0)
         qkv = self.ops.conv1d_positions(mixed, cache.conv[:B], self.conv1d.weight.squeeze(1), None, "silu", counts)
         q, k, v = self.split_qkv(qkv)
         o = self.ops.gdn_positions(q, k, v, g, beta, cache.recurrent[:B], None, True, counts)  # [B, T, HV, V]
         o = self.norm(o, gate=z.reshape(B, T, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, self.value_dim)), (mixed, q, k, v, g, beta)
 
-    def advance_positions(self, inputs: tuple, cache, active, kept) -> None:
+    def advance_positions(self, inputs: tuple, cache, kept) -> None:
         """Step the cache's conv and recurrent states of slots [0, B) through the first kept[b] of the positions
-        `step_positions` recorded (`inputs`), by the same steps; rows not active keep theirs."""
+        `step_positions` recorded (`inputs`), by the same steps ([B] int on the device; 0: the slot keeps its)."""
         mixed, q, k, v, g, beta = inputs
-        B, counts = kept.numel(), torch.where(active, kept, 0)
-        weight = self.conv1d.weight.squeeze(1)
-        self.ops.conv1d_positions(mixed, cache.conv[:B], weight, None, "silu", counts, advance=True)
-        self.ops.gdn_positions(q, k, v, g, beta, cache.recurrent[:B], None, True, counts, advance=True)
+        B, weight = kept.numel(), self.conv1d.weight.squeeze(1)
+        self.ops.conv1d_positions(mixed, cache.conv[:B], weight, None, "silu", kept, advance=True)
+        self.ops.gdn_positions(q, k, v, g, beta, cache.recurrent[:B], None, True, kept, advance=True)
 
     def _seq_to_heads(self, mixed_qkv, z, b, a):
         """Ulysses exchange of the token-wise projections: mixed_qkv [B, T/sp, C], z [B, T/sp, HV, V],

@@ -164,7 +164,7 @@ def gated_delta_rule_positions_triton(
     check_gdn_positions_inputs(q, k, v, g, beta, state, counts, advance)
     _check_kernel_inputs(q, v, state, inplace=True)
     if counts is not None:
-        counts = counts.to(torch.int32).contiguous()
+        counts = counts.contiguous()  # any integer dtype: the kernel converts what it loads (no cast launch)
     return _launch(q, k, v, g, beta, state, state, counts, scale, use_qk_l2norm_in_kernel, write_state=advance)
 
 
