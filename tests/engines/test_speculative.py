@@ -6,7 +6,9 @@ MTP layer was fitted for a few steps to the model's own samples (so drafts are b
   chi-squared test over 2000 requests of one prompt, each with its own seed), and the same test rejects the
   speculated tokens of two wrong acceptance rules (always accept; resample from p instead of the residual);
 - after each round, rejected drafts included, the slots' state equals that of plain decoding of the
-  accepted tokens, and the MTP layer's cache that of its forward over them.
+  accepted tokens, and the MTP layer's cache that of its forward over them; also with the GatedDeltaNet state
+  ops in their Triton kernels (interpreter), as on cuda, where the verification and the commit run every
+  position in one launch.
 
 Tolerances:
 | what                                                              | dtype | tol                   |
@@ -17,6 +19,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import Counter, defaultdict
 
 import pytest
@@ -29,7 +33,9 @@ from verl_moe.engines.rollout.sampling import SamplingParams
 from verl_moe.engines.rollout.speculative import SpeculativeEngine, accept_drafts
 from verl_moe.models.decode import AttentionCache, LinearCache, MoeDecoder
 from verl_moe.models.mtp_decode import MtpDrafter
+from verl_moe.ops import resolve
 from verl_moe.ops.sampling import inverse_cdf
+from verl_moe.tools.bench.exact import use_ops
 
 PROMPTS = [(5, 9, 3, 7, 1), (11,), (2, 4, 6, 8, 10, 12, 14), (3, 3, 3)]
 TOL = 1e-5
@@ -263,8 +269,31 @@ def _close(a, b):
     return (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("temperature, k", [(0.0, 3), (1.0, 2)], ids=["greedy-k3", "sampled-k2"])
-def test_state_keeps_only_accepted_tokens(model, temperature, k):
+def _with_triton_state_steps(model):
+    """The model with its GatedDeltaNet decode ops (one-token steps and the verification's multi-position forms)
+    in their Triton kernels (the interpreter on CPU), as on cuda; everything else as resolved."""
+    kernels = {field: resolve(op, "triton") for field, op in TRITON_STATE_OPS.items()}
+    use_ops(model, dataclasses.replace(model.ops, **kernels))
+    return model
+
+
+TRITON_STATE_OPS = {
+    "conv1d_step": "conv1d.step",
+    "gdn_step": "gdn.step",
+    "conv1d_positions": "conv1d.positions",
+    "gdn_positions": "gdn.positions",
+}
+
+
+@pytest.mark.parametrize(
+    "temperature, k, kernels", [(0.0, 3, False), (1.0, 2, False), (1.0, 2, True)],
+    ids=["greedy-k3", "sampled-k2", "sampled-k2-triton"],
+)  # fmt: skip
+def test_state_keeps_only_accepted_tokens(model, temperature, k, kernels):
+    """After every round the slots' states are those of plain decoding of the accepted tokens (rejected drafts
+    rolled back); also with the state ops' Triton kernels, whose verification runs all positions in one launch."""
+    if kernels:
+        model = _with_triton_state_steps(copy.deepcopy(model))
     params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, seed=3)
     requests = [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
     engine = SpeculativeEngine(model, eos_token_ids=[], num_draft_tokens=k)
