@@ -58,10 +58,11 @@ test-slow: install
 GPU_PYTHON ?= python
 GPU_WORKERS ?= 8
 GPU_XDIST = $(shell $(GPU_PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS) --dist loadfile")
-# --durations: the slowest tests and setups (lock waits) at the end, where a run's time goes
+# -v: each test's outcome on its own line as it finishes (a run cut short still names what failed); --durations:
+# the slowest tests and setups (lock waits) at the end, where a run's time goes
 test-gpu:
-	$(GPU_PYTHON) -m pytest -q -m "gpu and not slow" --durations=15 $(GPU_XDIST) tests
+	$(GPU_PYTHON) -m pytest -v -rfE -m "gpu and not slow" --durations=15 $(GPU_XDIST) tests
 
 # the GPU suite with its full-shape sweeps (`gpu` and `slow`)
 test-gpu-full:
-	$(GPU_PYTHON) -m pytest -q -m gpu --durations=15 $(GPU_XDIST) tests
+	$(GPU_PYTHON) -m pytest -v -rfE -m gpu --durations=15 $(GPU_XDIST) tests
