@@ -14,9 +14,10 @@ import torch
 from ..exact import by_device, exact_forward
 from ..varlen import HostOffsets, sequence_starts
 from .conv import causal_conv1d as causal_conv1d_triton
+from .positions import conv1d_positions_by_steps
 from .reference import causal_conv1d_ref, check_conv1d_inputs
 from .step import conv1d_step
-from .step_kernel import causal_conv1d_step_triton
+from .step_kernel import causal_conv1d_positions_triton, causal_conv1d_step_triton
 
 
 def taps_in_order(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,16 @@ def _step_by_taps(x, conv_state, weight, bias=None, activation="silu", active=No
 
 # the dispatched "exact" step: the taps in order on cpu, the fast step kernel (the same order) on devices
 causal_conv1d_step_exact = by_device(_step_by_taps, causal_conv1d_step_triton)
+
+
+def _positions_by_taps(x, conv_state, weight, bias=None, activation="silu", counts=None, advance=False):
+    """The `conv1d.positions` op's contract (`positions.causal_conv1d_positions_ref`) by `_step_by_taps`."""
+    return conv1d_positions_by_steps(_step_by_taps, x, conv_state, weight, bias, activation, counts, advance)
+
+
+# several positions per row (exact mode refuses speculation; this keeps the op complete): the taps in order on
+# cpu, on devices the one-launch kernel, whose outputs are bitwise the step kernel's
+causal_conv1d_positions_exact = by_device(_positions_by_taps, causal_conv1d_positions_triton)
 
 
 def _conv1d_by_steps(
@@ -56,4 +67,4 @@ def _conv1d_by_steps(
 # devices the fast kernel, forward and backward
 causal_conv1d_exact = by_device(exact_forward(_conv1d_by_steps, causal_conv1d_ref), causal_conv1d_triton)
 
-__all__ = ["causal_conv1d_exact", "causal_conv1d_step_exact", "taps_in_order"]
+__all__ = ["causal_conv1d_exact", "causal_conv1d_positions_exact", "causal_conv1d_step_exact", "taps_in_order"]

@@ -18,7 +18,7 @@ from .step import causal_conv1d_step_ref, check_conv1d_step_inputs
 IMPLS = {
     "torch": "verl_moe.ops.conv1d.positions:causal_conv1d_positions_ref",
     "triton": "verl_moe.ops.conv1d.step_kernel:causal_conv1d_positions_triton",
-    "exact": "verl_moe.ops.conv1d.positions:causal_conv1d_positions_exact",
+    "exact": "verl_moe.ops.conv1d.exact:causal_conv1d_positions_exact",
 }
 
 COUNT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -85,30 +85,8 @@ def causal_conv1d_positions_ref(
     return conv1d_positions_by_steps(causal_conv1d_step_ref, x, conv_state, weight, bias, activation, counts, advance)
 
 
-def causal_conv1d_positions_exact(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str | None = "silu",
-    counts: torch.Tensor | None = None,
-    advance: bool = False,
-) -> torch.Tensor:
-    """Exact mode's form, contract as `causal_conv1d_positions_ref`: on cpu the loop over
-    `exact.causal_conv1d_step_exact` (the taps added in order); on devices the one-launch kernel, whose
-    outputs are bitwise that step's there (the step kernel, the same operations per element)."""
-    # imported here: both modules load Triton, which the torch form does not need
-    from .exact import causal_conv1d_step_exact
-    from .step_kernel import causal_conv1d_positions_triton
-
-    if x.device.type != "cpu":
-        return causal_conv1d_positions_triton(x, conv_state, weight, bias, activation, counts, advance)
-    return conv1d_positions_by_steps(causal_conv1d_step_exact, x, conv_state, weight, bias, activation, counts, advance)
-
-
 __all__ = [
     "IMPLS",
-    "causal_conv1d_positions_exact",
     "causal_conv1d_positions_ref",
     "check_conv1d_positions_inputs",
     "conv1d_positions_by_steps",
