@@ -16,7 +16,7 @@ import torch
 from ..exact import by_device, device_default, exact_forward
 from ..varlen import HostOffsets, seq_bounds
 from .exact_kernel import gated_delta_rule_rows_triton
-from .positions import by_steps
+from .positions import gdn_positions_by_steps
 from .reference import check_gdn_inputs, chunk_gated_delta_rule_ref
 from .step import _keep_inactive, check_gdn_step_inputs
 
@@ -127,8 +127,18 @@ def _recurrent_by_kernel(
 
 # the dispatched "exact" step: the torch form on cpu, the exact kernel on devices
 gated_delta_rule_step_exact = by_device(gated_delta_rule_step_torch, _step_by_kernel)
-# several positions per row by the exact step (exact mode refuses speculation; this keeps the op complete)
-gated_delta_rule_positions_exact = by_steps(gated_delta_rule_step_exact)
+
+
+def gated_delta_rule_positions_exact(
+    q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, counts=None, advance=False
+):
+    """The `gdn.positions` op's contract (`positions.gated_delta_rule_positions`) by the exact step, position by
+    position (exact mode refuses speculation; this keeps the op complete)."""
+    return gdn_positions_by_steps(
+        gated_delta_rule_step_exact, q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, counts, advance
+    )
+
+
 # the dispatched "exact" gated delta rule: token-by-token steps forward (torch on cpu, the exact kernel on
 # devices), the chunked form's gradient (the reference on cpu, the device's chunked kernels there)
 recurrent_gated_delta_rule_exact = exact_forward(

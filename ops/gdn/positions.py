@@ -39,26 +39,19 @@ def check_gdn_positions_inputs(q, k, v, g, beta, state, counts=None, advance=Fal
         raise ValueError(f"counts must be a [N] = ({N},) integer tensor, got {tuple(counts.shape)} {counts.dtype}")
 
 
-def by_steps(step: Callable) -> Callable:
-    """`gated_delta_rule_positions` from a one-token step of the `gdn.step` contract, position by position."""
-
-    def positions(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, counts=None, advance=False):
-        check_gdn_positions_inputs(q, k, v, g, beta, state, counts, advance)
-        work = state if advance else state.clone()
-        outputs = []
-        for t in range(q.shape[1]):
-            active = None if counts is None else counts > t
-            o, _ = step(
-                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work, scale, use_qk_l2norm_in_kernel, active,
-                inplace=True,
-            )  # fmt: skip
-            outputs.append(o)
-        return torch.stack(outputs, 1)
-
-    return positions
-
-
-_gated_delta_rule_positions = by_steps(gated_delta_rule_step)
+def gdn_positions_by_steps(step: Callable, q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, counts, advance):
+    """The `gdn.positions` contract from a `gdn.step` form `step`: one in-place step per position on the state
+    (a copy of it unless advancing), rows past their counts held (active = counts > t)."""
+    check_gdn_positions_inputs(q, k, v, g, beta, state, counts, advance)
+    work = state if advance else state.clone()
+    outputs = []
+    for t in range(q.shape[1]):
+        active = None if counts is None else counts > t
+        o, _ = step(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work, scale, use_qk_l2norm_in_kernel, active, inplace=True
+        )
+        outputs.append(o)
+    return torch.stack(outputs, 1)
 
 
 def gated_delta_rule_positions(
@@ -90,7 +83,9 @@ def gated_delta_rule_positions(
     Raises:
         ValueError: bad shapes, dtypes or counts, or a state not in the compute dtype.
     """
-    return _gated_delta_rule_positions(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, counts, advance)
+    return gdn_positions_by_steps(
+        gated_delta_rule_step, q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, counts, advance
+    )
 
 
-__all__ = ["IMPLS", "by_steps", "check_gdn_positions_inputs", "gated_delta_rule_positions"]
+__all__ = ["IMPLS", "check_gdn_positions_inputs", "gated_delta_rule_positions", "gdn_positions_by_steps"]

@@ -118,43 +118,33 @@ def test_decode_with_the_triton_attention_step_matches_full_forward(monkeypatch)
         assert_rel_rms(f"logits seq {n}", full[n][len(p) - 1 : len(p) - 1 + NEW_TOKENS], logits[n], 1e-5)
 
 
-def test_idle_slots_attention_reads_one_position(monkeypatch):
-    """A step's attention reads an idle slot's cache at one position only (the decode-attention kernel, whose
-    reads follow each row's count; interpreter on CPU): NaN in the rest of the idle slot's cache reaches
-    no logits, and the running slots' logits are those of a step without the idle slot poisoned."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
-    model = _model(tiny_qwen3_5_moe_text())
-    decoder = MoeDecoder(model)
-    state = decoder.allocate(3, 16)
-    logits = decoder.prefill(PROMPTS, state, [0, 1, 2])
-    tokens, active = logits.argmax(-1), torch.tensor([True, False, True])
-    clean = decoder.step(tokens, copy.deepcopy(state), active)
-    for cache in state.layers:
-        if hasattr(cache, "k"):
-            cache.k[1, :, 1:], cache.v[1, :, 1:] = float("nan"), float("nan")
-    poisoned = decoder.step(tokens, state, active)
-    assert torch.isfinite(poisoned).all()
-    assert torch.equal(poisoned[active], clean[active])
+def _step_pass(decoder, logits, state, active):
+    return decoder.step(logits.argmax(-1), state, active)
 
 
-def test_idle_slots_verification_attention_reads_one_position(monkeypatch):
-    """The speculative verification's attention (several positions per slot) reads an idle slot's cache at one
-    position only, as the step's does: NaN in the rest of its cache reaches no hidden state, and the running
-    slots' are those of a verification without the idle slot poisoned."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
-    model = _model(tiny_qwen3_5_moe_text())
-    decoder = MoeDecoder(model)
-    state = decoder.allocate(3, 16)
-    logits = decoder.prefill(PROMPTS, state, [0, 1, 2])
+def _verify_pass(decoder, logits, state, active):
     tokens = torch.stack([logits.argmax(-1), logits.argmin(-1), logits.argmax(-1)], 1)  # [3, T=3]
+    return decoder.verify(tokens, state, active)[0]
+
+
+@pytest.mark.parametrize("decode_pass", [_step_pass, _verify_pass], ids=["step", "verification"])
+def test_idle_slots_attention_reads_one_position(monkeypatch, decode_pass):
+    """The attention of a step, and of the speculative verification (several positions per slot), reads an idle
+    slot's cache at one position only (the decode-attention kernel, whose reads follow each row's count;
+    interpreter on CPU): NaN in the rest of the idle slot's cache reaches no output, and the running slots'
+    outputs are those of the same pass without the idle slot poisoned."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("VERL_MOE_OPS", "attention.decode=triton")
+    model = _model(tiny_qwen3_5_moe_text())
+    decoder = MoeDecoder(model)
+    state = decoder.allocate(3, 16)
+    logits = decoder.prefill(PROMPTS, state, [0, 1, 2])
     active = torch.tensor([True, False, True])
-    clean, _ = decoder.verify(tokens, copy.deepcopy(state), active)
+    clean = decode_pass(decoder, logits, copy.deepcopy(state), active)
     for cache in state.layers:
         if hasattr(cache, "k"):
             cache.k[1, :, 1:], cache.v[1, :, 1:] = float("nan"), float("nan")
-    poisoned, _ = decoder.verify(tokens, state, active)
+    poisoned = decode_pass(decoder, logits, state, active)
     assert torch.isfinite(poisoned).all()
     assert torch.equal(poisoned[active], clean[active])
 
